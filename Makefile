@@ -12,7 +12,7 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet "tensorflow==2.21.*"
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
-	touch $(STAMP)
+	touch $(STAMP) tf_sparse24/.ops-built
 
 # Rebuild the op library in place when C++ sources change (pip install -e built it once).
 tf_sparse24/.ops-built: $(STAMP) $(OPS_SOURCES)

@@ -120,7 +120,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis", "scikit-learn", "matplotlib"],
+        "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "scikit-learn", "matplotlib"],
         # Peers for comparison scripts only; imported in separate processes, never by the package.
         "compare": ["tensorflow-model-optimization==0.8.*", "tf-keras==2.21.*"],
         "gpu": ["nvidia-cusparselt-cu12>=0.6"],
