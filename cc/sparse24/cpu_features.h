@@ -14,6 +14,9 @@ Isa best_isa();
 
 const char* isa_name(Isa isa);
 
+// Parses "auto", "scalar", "avx2" or "avx512" (isa_name's spellings); false for anything else.
+bool parse_isa(const char* name, Isa* isa);
+
 }  // namespace sparse24
 
 #endif  // TF_SPARSE24_CC_SPARSE24_CPU_FEATURES_H_
