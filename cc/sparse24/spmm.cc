@@ -1,0 +1,163 @@
+// SpMM dispatch: picks the kernel for the ISA and shape, prepares x once per call (float32 copy or
+// transposed panels; x is the activation, so this is not weight repacking), splits the output
+// columns over the caller's thread pool, and makes NaN/Inf in x propagate as in a dense matmul.
+#include "cc/sparse24/spmm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "cc/sparse24/spmm_kernels.h"
+
+namespace sparse24 {
+namespace {
+
+using spmm_internal::kPanelRows;
+using spmm_internal::SpmmKernel;
+using spmm_internal::SpmmWork;
+
+// Up to this many rows the SIMD paths run the GEMV kernel (x rows stay in L1 and are gathered with
+// in-register permutes); above it the panel kernel (vectorized over rows of packed x^T).
+constexpr int64_t kGemvMaxRows = 4;
+
+struct Plan {
+  SpmmKernel kernel;
+  bool panel;          // kernel reads packed x^T panels (else float32 rows)
+  int64_t tile;        // output columns per parallel work unit
+};
+
+Plan make_plan(Isa isa, int64_t M, int64_t N) {
+  // Panel tiles are wide (each tile streams every x^T panel once) but leave >= 8 units to share.
+  const int64_t panel_tile = std::clamp<int64_t>((N / 8 + 7) / 8 * 8, 16, 256);
+  switch (isa) {
+    case Isa::kAvx512:
+    case Isa::kAvx2:  // SIMD kernels land in spmm_*_avx2.cc / spmm_*_avx512.cc; scalar until then.
+    case Isa::kAuto:
+    case Isa::kScalar:
+      break;
+  }
+  (void)panel_tile;
+  (void)M;
+  return {spmm_internal::spmm_rows_scalar, false, 16};
+}
+
+bool is_nonfinite(DType dtype, const void* p, int64_t i) {
+  if (dtype == DType::kFloat32) {
+    uint32_t bits;
+    std::memcpy(&bits, static_cast<const float*>(p) + i, sizeof(bits));
+    return (bits & 0x7f800000u) == 0x7f800000u;
+  }
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return dtype == DType::kBFloat16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
+}
+
+// Float32 copy of x rows [m0, m1) into rows (row stride K); marks rows holding NaN/Inf in `bad`.
+void convert_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_t* bad) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t base = m * a.ldx;
+    bool any = false;
+    for (int64_t k = 0; k < a.K; ++k) {
+      const float v = spmm_internal::load_f32(a.dtype, a.x, base + k);
+      if (rows != nullptr) rows[m * a.K + k] = v;
+      any |= !std::isfinite(v);
+    }
+    bad[m] = any;
+  }
+}
+
+// Packs x rows of panel `p` transposed: [K][width] floats, rows past M zero.
+void pack_panel(const SpmmArgs& a, int64_t p, float* xt) {
+  const int64_t m0 = p * kPanelRows;
+  const int64_t width = std::min<int64_t>(kPanelRows, (a.M - m0 + 7) / 8 * 8);
+  float* dst = xt + m0 * a.K;
+  for (int64_t r = 0; r < width; ++r) {
+    const int64_t m = m0 + r;
+    if (m >= a.M) {
+      for (int64_t k = 0; k < a.K; ++k) dst[k * width + r] = 0.0f;
+      continue;
+    }
+    for (int64_t k = 0; k < a.K; ++k) {
+      dst[k * width + r] = spmm_internal::load_f32(a.dtype, a.x, m * a.ldx + k);
+    }
+  }
+}
+
+// A dense matmul multiplies every x[m, k] with W[k, n], zeros included, so a NaN/Inf x[m, k] at a
+// position the 2:4 kernel skipped (W[k, n] == 0) makes y[m, n] NaN. Kept positions already went
+// through the kernel, so only skipped ones need this fix-up; it runs only for rows with NaN/Inf.
+void propagate_nonfinite(const SpmmArgs& a, const uint8_t* bad) {
+  const int64_t meta_row = (a.K + 7) / 8;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<int64_t> ks;
+  for (int64_t m = 0; m < a.M; ++m) {
+    if (!bad[m]) continue;
+    ks.clear();
+    for (int64_t k = 0; k < a.K; ++k) {
+      if (is_nonfinite(a.dtype, a.x, m * a.ldx + k)) ks.push_back(k);
+    }
+    for (int64_t n = 0; n < a.N; ++n) {
+      const uint8_t* meta = a.meta + n * meta_row;
+      for (int64_t k : ks) {
+        const int64_t g = k / 4, pos = k % 4;
+        const unsigned bits = meta[g >> 1] >> ((g & 1) * 4);
+        if (pos != (bits & 3u) && pos != ((bits >> 2) & 3u)) {
+          spmm_internal::store_f32(a.dtype, a.y, m * a.ldy + n, nan);
+          break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
+  if (a.M <= 0 || a.N <= 0) return;
+  if (a.K == 0) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      for (int64_t n = 0; n < a.N; ++n) spmm_internal::store_f32(a.dtype, a.y, m * a.ldy + n, 0.f);
+    }
+    return;
+  }
+  if (isa == Isa::kAuto) isa = best_isa();
+  const Plan plan = make_plan(isa, a.M, a.N);
+
+  SpmmWork w{a.dtype, a.M, a.K, a.N, a.values, a.meta, nullptr, 0, nullptr, a.y, a.ldy};
+  std::vector<uint8_t> bad(a.M);
+  std::unique_ptr<float[]> rows;
+  const bool copy_rows = !plan.panel && a.dtype != DType::kFloat32;
+  if (copy_rows) rows.reset(new float[a.M * a.K]);
+  parallel_for(a.M, a.K, [&](int64_t m0, int64_t m1) {
+    convert_rows(a, m0, m1, rows.get(), bad.data());
+  });
+  if (copy_rows) {
+    w.x = rows.get();
+    w.ldx = a.K;
+  } else {
+    w.x = static_cast<const float*>(a.x);
+    w.ldx = a.ldx;
+  }
+
+  std::unique_ptr<float[]> xt;
+  if (plan.panel) {
+    const int64_t panels = (a.M + kPanelRows - 1) / kPanelRows;
+    xt.reset(new float[(a.M + kPanelRows) * a.K]);
+    parallel_for(panels, kPanelRows * a.K, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) pack_panel(a, p, xt.get());
+    });
+    w.xt = xt.get();
+  }
+
+  const int64_t units = (a.N + plan.tile - 1) / plan.tile;
+  const int64_t cost = plan.tile * a.M * a.K / 8 + 1;
+  parallel_for(units, cost, [&](int64_t u0, int64_t u1) {
+    plan.kernel(w, u0 * plan.tile, std::min(a.N, u1 * plan.tile));
+  });
+
+  if (std::find(bad.begin(), bad.end(), 1) != bad.end()) propagate_nonfinite(a, bad.data());
+}
+
+}  // namespace sparse24

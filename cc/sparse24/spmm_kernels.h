@@ -1,0 +1,71 @@
+// Internal interface between the SpMM dispatcher (spmm.cc) and its per-ISA kernels.
+//
+// The dispatcher turns x into float32 (a converted copy for bf16/f16, the caller's buffer for f32)
+// and, for the panel kernels, packs it transposed; each kernel then computes all M rows of y for a
+// range of output columns [n0, n1) straight from the stored values/meta. See docs/KERNELS.md.
+#ifndef TF_SPARSE24_CC_SPARSE24_SPMM_KERNELS_H_
+#define TF_SPARSE24_CC_SPARSE24_SPMM_KERNELS_H_
+
+#include <cstdint>
+
+#include "cc/sparse24/dtype.h"
+#include "cc/sparse24/half.h"
+
+namespace sparse24 {
+namespace spmm_internal {
+
+// Rows of the panel layout: x^T is packed as [ceil(M / kPanelRows)][K][kPanelRows] float32,
+// rows past M zero, so a panel kernel reads kPanelRows consecutive floats per kept k.
+constexpr int64_t kPanelRows = 32;
+
+struct SpmmWork {
+  DType dtype;              // of values and y
+  int64_t M, K, N;
+  const void* values;       // [N, K/2]
+  const uint8_t* meta;      // [N, ceil(K/8)]
+  const float* x;           // [M, K] float32, row stride ldx (gemv and scalar kernels)
+  int64_t ldx;
+  const float* xt;          // packed x^T panels (panel kernels), else null
+  void* y;                  // [M, N], row stride ldy
+  int64_t ldy;
+};
+
+// Computes y[0:M, n0:n1]. Thread-safe for disjoint column ranges.
+using SpmmKernel = void (*)(const SpmmWork& work, int64_t n0, int64_t n1);
+
+void spmm_rows_scalar(const SpmmWork& work, int64_t n0, int64_t n1);
+void spmm_gemv_avx2(const SpmmWork& work, int64_t n0, int64_t n1);
+void spmm_panel_avx2(const SpmmWork& work, int64_t n0, int64_t n1);
+void spmm_gemv_avx512(const SpmmWork& work, int64_t n0, int64_t n1);
+void spmm_panel_avx512(const SpmmWork& work, int64_t n0, int64_t n1);
+
+inline float load_f32(DType dtype, const void* p, int64_t i) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBFloat16:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kFloat16:
+      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0.0f;
+}
+
+inline void store_f32(DType dtype, void* p, int64_t i, float v) {
+  switch (dtype) {
+    case DType::kFloat32:
+      static_cast<float*>(p)[i] = v;
+      return;
+    case DType::kBFloat16:
+      static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+      return;
+    case DType::kFloat16:
+      static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
+      return;
+  }
+}
+
+}  // namespace spmm_internal
+}  // namespace sparse24
+
+#endif  // TF_SPARSE24_CC_SPARSE24_SPMM_KERNELS_H_

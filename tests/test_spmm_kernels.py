@@ -1,0 +1,175 @@
+"""Kernel-level tests of the C++ SpMM core (cc/sparse24/spmm*.cc), every ISA variant forced.
+
+The core is compiled once per session into a small shared library (cc/sparse24/spmm_ctypes_test.cc
+gives it C entry points) and driven with ctypes, so odd cases the TF op never passes (row strides,
+M=0, uneven thread splits) are covered too. The reference is numpy float64 on the decompressed
+matrix (tf_sparse24.format, the format's definition).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import glob
+import hashlib
+import os
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tf_sparse24 import format as fmt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ISA_FLAGS = {  # same per-file flags as setup.py
+    "_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
+    "_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+ISAS = {"scalar": 1, "avx2": 2, "avx512": 3}  # sparse24::Isa values
+DTYPES = {np.float32: 0, ml_dtypes.bfloat16: 1, np.float16: 2}
+# Output rounding (half an ulp, relative) per dtype; accumulation is float32 in every variant.
+OUT_EPS = {np.float32: 2.0**-24, ml_dtypes.bfloat16: 2.0**-8, np.float16: 2.0**-11}
+
+
+def _sources() -> list[str]:
+    srcs = sorted(glob.glob(os.path.join(ROOT, "cc", "sparse24", "spmm*.cc")))
+    return srcs + [os.path.join(ROOT, "cc", "sparse24", "cpu_features.cc")]
+
+
+@pytest.fixture(scope="session")
+def core(tmp_path_factory) -> ctypes.CDLL:
+    srcs = _sources()
+    digest = hashlib.sha1(b"".join(open(s, "rb").read() for s in srcs)).hexdigest()[:12]
+    out = tmp_path_factory.mktemp("spmm_core")
+
+    def compile_one(src: str) -> str:
+        obj = str(out / (os.path.basename(src) + ".o"))
+        flags = next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
+        cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-Wall", *flags, f"-I{ROOT}", "-c", src, "-o", obj]
+        subprocess.run(cmd, check=True, capture_output=True)
+        return obj
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        objs = list(pool.map(compile_one, srcs))
+    lib_path = str(out / f"libspmm_{digest}.so")
+    subprocess.run(["g++", "-shared", *objs, "-o", lib_path, "-lpthread"], check=True)
+    lib = ctypes.CDLL(lib_path)
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    lib.sparse24_test_spmm.argtypes = [ctypes.c_int, ctypes.c_int, vp, i64, vp, vp, i64, i64, i64,
+                                       vp, i64, ctypes.c_int]
+    lib.sparse24_test_spmm.restype = ctypes.c_int
+    return lib
+
+
+def _supported(core: ctypes.CDLL, isa: str) -> bool:
+    return bool(core.sparse24_test_isa_supported(ISAS[isa]))
+
+
+def _run(core, isa, x, values, meta, n, *, y_cols=None, threads=2):
+    """y = x @ W through the core; x may be a column slice (row stride > K)."""
+    m, k = x.shape
+    ldy = y_cols or n
+    y = np.full((m, ldy), -7.0, x.dtype)  # junk in the stride padding must stay untouched
+    ldx = x.strides[0] // x.itemsize if m else k
+    rc = core.sparse24_test_spmm(DTYPES[x.dtype.type], ISAS[isa], x.ctypes.data, ldx,
+                                 values.ctypes.data, meta.ctypes.data, m, k, n, y.ctypes.data,
+                                 ldy, threads)
+    assert rc == 0
+    if ldy > n:
+        assert (y[:, n:] == -7.0).all(), "kernel wrote outside y's columns"
+    return y[:, :n]
+
+
+def _random_2to4(rng, k, n, dtype):
+    """A [K, N] 2:4 matrix in `dtype`, with some groups holding fewer than two non-zeros."""
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    keep = np.argsort(rng.random((k // 4, 4, n)), axis=1)[:, :2]
+    mask = np.zeros((k // 4, 4, n), bool)
+    np.put_along_axis(mask, keep, True, axis=1)
+    mask &= rng.random(mask.shape) > 0.1
+    return (w * mask.reshape(k, n)).astype(dtype)
+
+
+def _check(y, x, w):
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    ref = x64 @ w64
+    bound = 1e-5 * (np.abs(x64) @ np.abs(w64)) + OUT_EPS[x.dtype.type] * np.abs(ref) + 1e-30
+    err = np.abs(y.astype(np.float64) - ref)
+    assert (err <= bound).all(), f"max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+
+
+SHAPES = [  # (M, K, N): K % 8 == 4, K < one SIMD chunk, N=1, N off every register block, M tails
+    (1, 4, 1), (1, 12, 3), (2, 20, 5), (3, 36, 17), (4, 64, 33), (5, 132, 40), (8, 68, 9),
+    (16, 260, 64), (17, 100, 70), (33, 196, 31), (70, 516, 129), (1, 1028, 300),
+]
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=lambda d: np.dtype(d).name)
+def test_matches_float64_reference(core, isa, dtype):
+    if not _supported(core, isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    rng = np.random.default_rng(0)
+    for m, k, n in SHAPES:
+        w = _random_2to4(rng, k, n, dtype)
+        values, meta = fmt.compress(w)
+        x = rng.standard_normal((m, k)).astype(dtype)
+        _check(_run(core, isa, x, values, meta, n), x, w)
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+def test_strides_and_empty(core, isa):
+    if not _supported(core, isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    rng = np.random.default_rng(1)
+    for m, k, n in [(3, 44, 10), (40, 72, 19)]:
+        w = _random_2to4(rng, k, n, np.float32)
+        values, meta = fmt.compress(w)
+        x_wide = rng.standard_normal((m, k + 5)).astype(np.float32)
+        x = x_wide[:, 2 : 2 + k]  # row stride K + 5, unaligned start
+        _check(_run(core, isa, x, values, meta, n, y_cols=n + 3), x, w)
+    values, meta = fmt.compress(_random_2to4(rng, 8, 6, np.float32))
+    assert _run(core, isa, np.zeros((0, 8), np.float32), values, meta, 6).shape == (0, 6)
+    y = _run(core, isa, np.ones((2, 0), np.float32), np.zeros((6, 0), np.float32),
+             np.zeros((6, 0), np.uint8), 6)
+    assert (y == 0).all()
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
+def test_nan_inf_propagate_like_dense(core, isa, dtype):
+    if not _supported(core, isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    rng = np.random.default_rng(2)
+    for m, k, n in [(1, 64, 20), (3, 36, 7), (40, 132, 33)]:
+        w = _random_2to4(rng, k, n, dtype)
+        values, meta = fmt.compress(w)
+        x = rng.standard_normal((m, k)).astype(dtype)
+        x[0, 5] = np.nan
+        x[m - 1, k - 1] = np.inf
+        x[m // 2, 0] = -np.inf
+        with np.errstate(invalid="ignore"):
+            ref = x.astype(np.float64) @ w.astype(np.float64)
+        y = _run(core, isa, x, values, meta, n).astype(np.float64)
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+        np.testing.assert_array_equal(np.isposinf(y), np.isposinf(ref))
+        np.testing.assert_array_equal(np.isneginf(y), np.isneginf(ref))
+        finite = np.isfinite(ref)
+        np.testing.assert_allclose(y[finite], ref[finite], rtol=1e-2, atol=1e-2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(0, 40), groups=st.integers(1, 40), n=st.integers(1, 40),
+       seed=st.integers(0, 2**31 - 1), threads=st.integers(1, 3))
+def test_all_isas_agree_on_random_shapes(core, m, groups, n, seed, threads):
+    rng = np.random.default_rng(seed)
+    k = 4 * groups
+    w = _random_2to4(rng, k, n, np.float32)
+    values, meta = fmt.compress(w)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    for isa in ISAS:
+        if _supported(core, isa):
+            _check(_run(core, isa, x, values, meta, n, threads=threads), x, w)
