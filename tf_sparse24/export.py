@@ -1,0 +1,531 @@
+"""SavedModel export of 2:4-pruned Keras models with compressed weights, and the checking loader.
+
+`export` writes a SavedModel (TensorFlow Serving layout: `export_dir` is a numeric version
+directory) that stores every 2:4 kernel in `sparse24/v1` form (`values` + `meta`, about 0.53x of the
+dense bytes for float32) and every other model variable as a plain copy. The saved object is a
+`tf.Module` that owns only these `tf.Variable`s; its serving function runs the Keras model under
+`keras.StatelessScope`, mapping each Keras variable to a tensor rebuilt from the stored ones, so the
+Keras variables are never captured and nothing is saved twice. This works for any layer type.
+
+Modes:
+* `portable`: kernels are rebuilt with stock TensorFlow ops (`tf_sparse24.portable.decompress`), so
+  stock TensorFlow Serving and `tf.saved_model.load` without this package serve it.
+* `accelerated`: `keras.layers.Dense` layers of Functional and Sequential models (nested ones too)
+  multiply with `Sparse24MatMul` on the compressed weights; every other pruned kernel (Conv, the
+  EinsumDense projections of MultiHeadAttention, RNN kernels, Dense layers of subclassed models) is
+  rebuilt with `Sparse24Decompress`. Loading needs the op library (`import tf_sparse24`; TF Serving:
+  link `//cc:sparse24_ops`). The metadata records which kernel each weight runs on.
+
+Example:
+    >>> tf_sparse24.export(pruned_model, "models/mnist/1")
+    >>> served = tf_sparse24.load("models/mnist/1")
+    >>> served.signatures["serving_default"](pixels=x)["logits"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+import tempfile
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_sparse24 import format as fmt
+from tf_sparse24 import metadata as md
+from tf_sparse24 import portable
+from tf_sparse24.metadata import ExportError
+
+SIGNATURE = "serving_default"
+ACCELERATED_OPS = frozenset({"Sparse24MatMul", "Sparse24Decompress"})
+
+
+@dataclasses.dataclass
+class _Sparse:
+    """One 2:4 weight of the model and its compressed form."""
+
+    name: str  # unique label, the Keras variable path
+    layer: keras.layers.Layer  # the (unwrapped) layer that owns the weight
+    variable: keras.Variable
+    mask: keras.Variable | None  # the wrapper's mask (mapped to ones: the weight is already masked)
+    axis: int
+    pattern: str
+    values: np.ndarray
+    meta: np.ndarray
+
+    @property
+    def k(self) -> int:
+        return math.prod(self.variable.shape[: self.axis + 1])
+
+
+def export(
+    model: keras.Model,
+    export_dir: str | os.PathLike,
+    mode: str = "portable",
+    overwrite: bool = False,
+    input_signature: list[tf.TensorSpec] | None = None,
+) -> dict[str, Any]:
+    """Exports a pruned (or stripped) Keras model as a SavedModel with compressed 2:4 weights.
+
+    The weights stored compressed are the pruned weights of every `Sparse24` wrapper (their
+    effective, masked values) and every registry-eligible kernel of a plain layer that is exactly
+    2:4 along its reduction axis (so `strip(model)` exports the same way). Everything else is
+    stored dense. The directory is written next to `export_dir` under a temporary name and renamed
+    into place, so a failed export leaves nothing behind.
+
+    Args:
+        model: a built Keras model. Functional and Sequential models take their signature from
+            `model.input`; subclassed models need `input_signature`.
+        export_dir: the version directory to create, e.g. `models/my_model/1`.
+        mode: "portable" (stock TF ops only) or "accelerated" (`Sparse24MatMul`, needs the ops).
+        overwrite: replace an existing `export_dir` (atomically: the old one is renamed away, the
+            new one renamed in, then the old one deleted).
+        input_signature: named `tf.TensorSpec`s of the model's inputs, overriding `model.input`.
+
+    Returns:
+        The metadata written to `assets/sparse24.json`.
+
+    Raises:
+        ValueError: bad mode or model, a pruned weight that is not 2:4, or a model without any 2:4
+            weight (export a dense model with `model.export` instead).
+        FileExistsError: `export_dir` exists and `overwrite` is False.
+    """
+    if mode not in md.MODES:
+        raise ValueError(f"mode must be one of {md.MODES}. Received: mode={mode!r}")
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"export expects a keras.Model. Received: {type(model).__name__}")
+    export_dir = os.path.abspath(os.fspath(export_dir))
+    if os.path.exists(export_dir) and not overwrite:
+        raise FileExistsError(f"{export_dir} exists; pass overwrite=True to replace it")
+    specs = _input_specs(model, input_signature)
+    sparse = _sparse_weights(model)
+    if not sparse:
+        raise ValueError(
+            f"model {model.name!r} has no 2:4 sparse weights to compress: prune it with "
+            "tf_sparse24.prune (and fine-tune) first, or export the dense model with model.export()"
+        )
+    ops = None
+    if mode == "accelerated":
+        from tf_sparse24 import ops  # noqa: PLC0415  (the op library is only needed here)
+
+        ops.load_library()
+
+    parent = os.path.dirname(export_dir)
+    os.makedirs(parent, exist_ok=True)
+    # A dot-name that is not a number: TF Serving ignores it while it is being written.
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.tmp-", dir=parent)
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a server user must read it
+        metadata = _write(model, tmp, mode, specs, sparse, ops)
+        _move_into_place(tmp, export_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return metadata
+
+
+def load(export_dir: str | os.PathLike) -> Any:
+    """Loads an export of either mode and checks its metadata and every tensor's checksum.
+
+    Args:
+        export_dir: the version directory written by `export`.
+
+    Returns:
+        The loaded object (`tf.saved_model.load`): `.signatures["serving_default"]`, the stored
+        variables, `.metadata()` (the embedded JSON) and `.sparse24_metadata` (the parsed dict).
+
+    Raises:
+        ExportError: missing, unparsable, edited or unsupported metadata, unreadable variables, or
+            a tensor whose sha256 differs from the metadata (the message names the tensor).
+    """
+    export_dir = os.fspath(export_dir)
+    metadata = md.read(export_dir)
+    if metadata["mode"] == "accelerated":
+        from tf_sparse24 import ops  # noqa: PLC0415
+
+        ops.load_library()
+    try:
+        loaded = tf.saved_model.load(export_dir)
+    except (tf.errors.OpError, ValueError, OSError) as e:
+        raise ExportError(f"cannot load the SavedModel in {export_dir}: {e}") from e
+    embedded = loaded.metadata().numpy().decode("utf-8")
+    if md.loads(embedded, "embedded metadata") != metadata:
+        raise ExportError(
+            f"{md.path_in(export_dir)} differs from the metadata embedded in saved_model.pb: "
+            "the file was edited or corrupted"
+        )
+    stored = _stored_tensors(loaded, metadata)
+    for record, variable in stored:
+        value = variable.numpy()
+        if list(value.shape) != record["shape"] or value.dtype.name != record["dtype"]:
+            raise ExportError(
+                f"tensor {record['name']!r}: stored {value.dtype.name}{list(value.shape)}, "
+                f"metadata says {record['dtype']}{record['shape']}"
+            )
+        if md.sha256(value) != record["sha256"]:
+            raise ExportError(
+                f"checksum mismatch for tensor {record['name']!r}: the stored variable's sha256 is "
+                f"{md.sha256(value)}, the metadata says {record['sha256']}; the variables were "
+                "modified or corrupted"
+            )
+    loaded.sparse24_metadata = metadata
+    return loaded
+
+
+def _stored_tensors(loaded: Any, metadata: dict[str, Any]) -> list[tuple[dict, tf.Variable]]:
+    """(metadata record, loaded variable) for every stored tensor."""
+    counts = (len(loaded.sparse_values), len(loaded.sparse_meta), len(loaded.dense))
+    expected = (len(metadata["sparse"]),) * 2 + (len(metadata["dense"]),)
+    if counts != expected:
+        raise ExportError(
+            f"the SavedModel stores {counts} (values, meta, dense) tensors, the metadata lists "
+            f"{expected}"
+        )
+    pairs = []
+    for entry, values, meta in zip(metadata["sparse"], loaded.sparse_values, loaded.sparse_meta):
+        pairs += [(entry["values"], values), (entry["meta"], meta)]
+    pairs += list(zip(metadata["dense"], loaded.dense))
+    return pairs
+
+
+def graph_ops(export_dir: str | os.PathLike) -> set[str]:
+    """Op types used anywhere in a SavedModel (every graph and every library function)."""
+    from tensorflow.core.protobuf import saved_model_pb2  # noqa: PLC0415
+
+    proto = saved_model_pb2.SavedModel()
+    with open(os.path.join(os.fspath(export_dir), "saved_model.pb"), "rb") as f:
+        proto.ParseFromString(f.read())
+    ops, functions = set(), set()
+    for graph in proto.meta_graphs:
+        ops |= {node.op for node in graph.graph_def.node}
+        for function in graph.graph_def.library.function:
+            functions.add(function.signature.name)
+            ops |= {node.op for node in function.node_def}
+    return ops - functions  # calls of library functions appear as ops named after them
+
+
+def nonstock_ops(ops: set[str]) -> set[str]:
+    """The ops not registered by stock TensorFlow (`tf.raw_ops` lists every stock op).
+
+    Custom op libraries never add to `tf.raw_ops`, so this holds in any process.
+    """
+    return {op for op in ops if not hasattr(tf.raw_ops, op)}
+
+
+# --- Finding and compressing the 2:4 weights --------------------------------------------------
+
+
+def _walk_layers(model: keras.layers.Layer):
+    """Every layer reachable through `.layers` (nested models included), each once."""
+    seen = set()
+    stack = list(reversed(getattr(model, "layers", [])))
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        yield layer
+        stack.extend(reversed(getattr(layer, "layers", [])))
+
+
+def _compress(name: str, value: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return fmt.compress(fmt.to_2d(value, axis))
+    except ValueError as e:
+        raise ValueError(f"weight {name!r} (shape {list(value.shape)}, axis {axis}): {e}") from e
+
+
+def _sparse_weights(model: keras.Model) -> list[_Sparse]:
+    """The pruned weights of all wrappers, then the exactly-2:4 eligible kernels of plain layers."""
+    from tf_sparse24.prune import eligible_weights, pruned_layers  # noqa: PLC0415
+    from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
+
+    found: list[_Sparse] = []
+    for wrapper in pruned_layers(model):
+        for pw in wrapper.pruned_weights:
+            value = keras.ops.convert_to_numpy(wrapper.effective_weight(pw))
+            values, meta = _compress(pw.variable.path, value, pw.axis)
+            found.append(
+                _Sparse(pw.variable.path, wrapper.layer, pw.variable, pw.mask, pw.axis, pw.pattern,
+                        values, meta)
+            )
+    for layer in _walk_layers(model):
+        if isinstance(layer, (Sparse24, keras.Model)) or any(
+            layer is s.layer for s in found
+        ):
+            continue
+        for _, variable, axis in _eligible(eligible_weights, layer):
+            value = keras.ops.convert_to_numpy(variable)
+            try:
+                values, meta = fmt.compress(fmt.to_2d(value, axis))
+            except ValueError:
+                continue  # a dense kernel: stored as is
+            found.append(_Sparse(variable.path, layer, variable, None, axis, "2:4", values, meta))
+    _dedupe_names(found)
+    return found
+
+
+def _eligible(eligible_weights, layer) -> list[tuple[str, keras.Variable, int]]:
+    try:
+        result = eligible_weights(layer)
+    except (ValueError, TypeError):
+        return []  # not prunable (the registry gives the reason; export stores it dense)
+    return [item for item in result if isinstance(item, tuple) and len(item) == 3]
+
+
+def _dedupe_names(items: list) -> None:
+    seen: dict[str, int] = {}
+    for item in items:
+        count = seen.get(item.name, 0)
+        seen[item.name] = count + 1
+        if count:
+            item.name = f"{item.name}_{count}"
+
+
+# --- Building and writing the SavedModel -----------------------------------------------------
+
+
+def _input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
+    if input_signature is not None:
+        specs = list(input_signature)
+        if not all(isinstance(s, tf.TensorSpec) and s.name for s in specs):
+            raise ValueError(
+                f"input_signature must be a list of named tf.TensorSpec. Received: {specs}"
+            )
+        return specs
+    try:
+        inputs = keras.tree.flatten(model.input)
+    except (AttributeError, ValueError) as e:
+        raise ValueError(
+            f"model {model.name!r} has no symbolic inputs (a subclassed or unbuilt model): pass "
+            "input_signature=[tf.TensorSpec(shape, dtype, name=...), ...]"
+        ) from e
+    return [
+        tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=_identifier(t.name, f"input_{i}"))
+        for i, t in enumerate(inputs)
+    ]
+
+
+def _identifier(name: str | None, default: str) -> str:
+    """A signature key: TF Serving and saved_model_cli need [A-Za-z0-9_] names."""
+    name = re.sub(r"[^A-Za-z0-9_]", "_", name or "")
+    return name if name and not name[0].isdigit() else default
+
+
+def _output_names(model: keras.Model, outputs) -> list[str]:
+    if isinstance(outputs, dict):
+        return [_identifier(k, f"output_{i}") for i, k in enumerate(sorted(outputs))]
+    flat = keras.tree.flatten(outputs)
+    names = list(getattr(model, "output_names", None) or [])
+    if len(names) != len(flat) or len(set(names)) != len(names):
+        names = [f"output_{i}" for i in range(len(flat))]
+    return [_identifier(n, f"output_{i}") for i, n in enumerate(names)]
+
+
+class _SparseDense(keras.layers.Layer):
+    """Runs a Dense layer as `Sparse24MatMul(x, values, meta) + bias` then its activation."""
+
+    def __init__(self, dense: keras.layers.Dense, stored: tuple, ops, **kwargs):
+        super().__init__(name=f"{dense.name}_sparse24", dtype=dense.dtype_policy, **kwargs)
+        self.dense = dense
+        self._stored = lambda: stored  # a closure: Keras must not track the tf.Variables
+        self._ops = ops
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.dense.units)
+
+    def call(self, x):
+        values, meta = self._stored()
+        values = tf.cast(values, x.dtype)
+        y = self._ops.sparse24_matmul(x, values, meta)
+        if self.dense.use_bias:
+            y = y + tf.cast(self.dense.bias, y.dtype)
+        return self.dense.activation(y) if self.dense.activation is not None else y
+
+
+def _runs_sparse(item: _Sparse) -> bool:
+    layer = item.layer
+    return (
+        type(layer) is keras.layers.Dense
+        and item.variable is layer.kernel  # a Variable only without LoRA / quantization
+        and not getattr(layer, "lora_enabled", False)
+        and getattr(layer, "quantization_mode", None) is None
+    )
+
+
+def _accelerated_model(model: keras.Model, stored: dict[int, tuple], ops) -> keras.Model:
+    """A Functional view of `model` (same layers, no copies) whose listed Dense layers run sparse."""
+    from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
+
+    if isinstance(model, keras.Sequential):
+        model = keras.Model(model.inputs, model.outputs, name=model.name)
+
+    def call_function(layer, *args, **kwargs):
+        inner = layer.layer if isinstance(layer, Sparse24) else layer
+        if id(inner) in stored and not kwargs:
+            return _SparseDense(inner, stored[id(inner)], ops)(*args)
+        return layer(*args, **kwargs)
+
+    return keras.models.clone_model(
+        model, clone_function=lambda layer: layer, call_function=call_function, recursive=True
+    )
+
+
+def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
+    module = tf.Module()
+    module.sparse_values = [tf.Variable(s.values, trainable=False) for s in sparse]
+    module.sparse_meta = [tf.Variable(s.meta, trainable=False) for s in sparse]
+    replaced = {id(s.variable) for s in sparse} | {id(s.mask) for s in sparse if s.mask is not None}
+    dense_vars = []
+    for variable in model.variables:
+        if id(variable) not in replaced and all(variable is not v for v in dense_vars):
+            dense_vars.append(variable)
+    dense_values = [keras.ops.convert_to_numpy(v) for v in dense_vars]
+    module.dense = [tf.Variable(value, trainable=False) for value in dense_values]
+
+    kernel = {id(s.variable): "decompress" for s in sparse}
+    serving_model = model
+    if mode == "accelerated":
+        stored = {
+            id(s.layer): (module.sparse_values[i], module.sparse_meta[i])
+            for i, s in enumerate(sparse)
+            if _runs_sparse(s)
+        }
+        if isinstance(model, keras.Sequential) or _is_functional(model):
+            serving_model = _accelerated_model(model, stored, ops)
+            kernel.update({id(s.variable): "sparse24_matmul" for s in sparse if id(s.layer) in stored})
+
+    def rebuild(i: int, s: _Sparse) -> tf.Tensor:
+        values, meta = module.sparse_values[i], module.sparse_meta[i]
+        if mode == "accelerated":
+            dense = ops.sparse24_decompress(values, meta, s.k)
+        else:
+            dense = portable.decompress(values, meta, s.k)
+        return tf.reshape(dense, s.variable.shape)
+
+    def serve(*inputs):
+        mapping = []
+        for i, s in enumerate(sparse):
+            if kernel[id(s.variable)] == "decompress":
+                mapping.append((s.variable, rebuild(i, s)))
+            if s.mask is not None:
+                mapping.append((s.mask, tf.ones(s.mask.shape, s.mask.dtype)))
+        mapping += list(zip(dense_vars, (tf.identity(v) for v in module.dense)))
+        with keras.StatelessScope(state_mapping=mapping):
+            structured = _structure_inputs(model, list(inputs))
+            outputs = serving_model(structured, training=False)
+        flat = [outputs[k] for k in sorted(outputs)] if isinstance(outputs, dict) else (
+            keras.tree.flatten(outputs)
+        )
+        return dict(zip(output_names, flat))
+
+    output_names = _output_names(model, _probe_outputs(model, specs))
+    serving = tf.function(serve, input_signature=specs, autograph=False)
+    module.serve = serving
+
+    metadata = _metadata(model, mode, specs, serving, sparse, kernel, dense_vars, dense_values)
+    text = md.dumps(metadata)
+    module.metadata = tf.function(lambda: tf.constant(text), input_signature=[])
+    asset_dir = tempfile.mkdtemp(prefix=".sparse24-asset-", dir=os.path.dirname(directory))
+    try:
+        asset_path = os.path.join(asset_dir, md.FILENAME)
+        with open(asset_path, "w", encoding="utf-8") as f:
+            f.write(text)
+        module.metadata_file = tf.saved_model.Asset(asset_path)
+        tf.saved_model.save(module, directory, signatures={SIGNATURE: serving})
+    finally:
+        shutil.rmtree(asset_dir, ignore_errors=True)
+    return metadata
+
+
+def _is_functional(model: keras.Model) -> bool:
+    try:
+        return bool(model.inputs) and bool(model.outputs)
+    except AttributeError:
+        return False
+
+
+def _structure_inputs(model: keras.Model, inputs: list[tf.Tensor]):
+    try:
+        return keras.tree.pack_sequence_as(model.input, inputs)
+    except (AttributeError, ValueError):
+        return inputs[0] if len(inputs) == 1 else inputs
+
+
+def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec]):
+    """The model's output structure, from a symbolic call (no computation)."""
+    try:
+        return model.output
+    except (AttributeError, ValueError):
+        symbolic = [keras.KerasTensor([1, *s.shape[1:]], s.dtype.name) for s in specs]
+        return model.compute_output_spec(_structure_inputs(model, symbolic))
+
+
+def _metadata(model, mode, specs, serving, sparse, kernel, dense_vars, dense_values) -> dict:
+    import tf_sparse24  # noqa: PLC0415
+
+    outputs = serving.get_concrete_function().structured_outputs
+    entries = []
+    for s in sparse:
+        n = math.prod(s.variable.shape[s.axis + 1 :])
+        entries.append({
+            "name": s.name,
+            "layer": s.layer.name,
+            "shape": list(s.variable.shape),
+            "dtype": s.values.dtype.name,
+            "axis": s.axis,
+            "k": s.k,
+            "n": n,
+            "pattern": s.pattern,
+            "kernel": kernel[id(s.variable)],
+            "values": md.tensor_record(f"{s.name}:values", s.values),
+            "meta": md.tensor_record(f"{s.name}:meta", s.meta),
+        })
+    return {
+        "schema": md.SCHEMA,
+        "format": md.FORMAT,
+        "mode": mode,
+        "package_version": tf_sparse24.__version__,
+        "tensorflow_version": tf.__version__,
+        "keras_version": keras.__version__,
+        "model": model.name,
+        "signature": {
+            "name": SIGNATURE,
+            "inputs": {s.name: _spec_record(s) for s in specs},
+            "outputs": {name: _spec_record(t) for name, t in outputs.items()},
+        },
+        "sparse": entries,
+        "dense": [
+            md.tensor_record(v.path, value) for v, value in zip(dense_vars, dense_values)
+        ],
+    }
+
+
+def _spec_record(spec) -> dict[str, Any]:
+    return {"shape": spec.shape.as_list(), "dtype": spec.dtype.name}
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _move_into_place(tmp: str, export_dir: str) -> None:
+    if not os.path.exists(export_dir):
+        os.rename(tmp, export_dir)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.old-", dir=os.path.dirname(tmp))
+    os.rmdir(old)
+    os.rename(export_dir, old)
+    try:
+        os.rename(tmp, export_dir)
+    except BaseException:
+        os.rename(old, export_dir)  # put the previous export back
+        raise
+    shutil.rmtree(old, ignore_errors=True)

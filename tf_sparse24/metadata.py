@@ -1,0 +1,106 @@
+"""The `assets/sparse24.json` metadata of an export: schema, checksums, reading and validation.
+
+Schema `tf_sparse24.export/1` (a JSON object; docs/EXPORT.md lists every field):
+`schema`, `format` ("sparse24/v1"), `mode` ("portable" | "accelerated"), `package_version`,
+`tensorflow_version`, `keras_version`, `model`, `signature` (input/output names, shapes, dtypes),
+`sparse` (one entry per compressed weight: `name`, `layer`, `shape`, `dtype`, `axis`, `k`, `n`,
+`pattern`, `kernel` ("sparse24_matmul" | "decompress"), `values` / `meta` tensor records) and `dense`
+(tensor records of every other stored variable). A tensor record is `{"name", "shape", "dtype",
+"sha256", "bytes"}`; the sha256 is over the tensor's C-order bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+SCHEMA = "tf_sparse24.export/1"
+FORMAT = "sparse24/v1"
+MODES = ("portable", "accelerated")
+FILENAME = "sparse24.json"
+KERNELS = ("sparse24_matmul", "decompress")
+
+
+class ExportError(ValueError):
+    """An export directory is missing, corrupted, edited, or of a version this package cannot read."""
+
+
+def path_in(export_dir: str | os.PathLike) -> str:
+    """Location of the metadata file inside an export directory."""
+    return os.path.join(os.fspath(export_dir), "assets", FILENAME)
+
+
+def sha256(array: np.ndarray) -> str:
+    """Hex sha256 of an array's C-order bytes (the checksum stored for every tensor)."""
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def tensor_record(name: str, array: np.ndarray) -> dict[str, Any]:
+    """The metadata record of one stored tensor."""
+    array = np.asarray(array)
+    return {
+        "name": name,
+        "shape": list(array.shape),
+        "dtype": array.dtype.name,
+        "sha256": sha256(array),
+        "bytes": int(array.nbytes),
+    }
+
+
+def dumps(metadata: dict[str, Any]) -> str:
+    """Canonical JSON text of the metadata (sorted keys, so the embedded copy compares exactly)."""
+    return json.dumps(metadata, indent=1, sort_keys=True) + "\n"
+
+
+def loads(text: str, source: str) -> dict[str, Any]:
+    """Parses and validates metadata text.
+
+    Args:
+        text: the JSON text.
+        source: where it came from, for error messages.
+
+    Raises:
+        ExportError: on invalid JSON, a different schema or format version, or missing fields.
+    """
+    try:
+        metadata = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{source} is not valid JSON ({e}); the export is corrupted") from e
+    if not isinstance(metadata, dict):
+        raise ExportError(f"{source} must hold a JSON object. Received: {type(metadata).__name__}")
+    if metadata.get("schema") != SCHEMA:
+        raise ExportError(
+            f"{source}: unsupported metadata schema {metadata.get('schema')!r}; this version of "
+            f"tf_sparse24 reads {SCHEMA!r}"
+        )
+    if metadata.get("format") != FORMAT:
+        raise ExportError(
+            f"{source}: unsupported compressed format {metadata.get('format')!r}; this version of "
+            f"tf_sparse24 reads {FORMAT!r}"
+        )
+    if metadata.get("mode") not in MODES:
+        raise ExportError(f"{source}: mode must be one of {MODES}. Received: {metadata.get('mode')!r}")
+    for key in ("sparse", "dense", "signature"):
+        if key not in metadata:
+            raise ExportError(f"{source}: missing field {key!r}")
+    return metadata
+
+
+def read(export_dir: str | os.PathLike) -> dict[str, Any]:
+    """Reads and validates `assets/sparse24.json` of an export directory.
+
+    Raises:
+        ExportError: if the file is missing or invalid (see `loads`).
+    """
+    path = path_in(export_dir)
+    if not os.path.isfile(path):
+        raise ExportError(
+            f"{path} not found: {os.fspath(export_dir)!r} is not a tf_sparse24 export "
+            "(export it with tf_sparse24.export)"
+        )
+    with open(path, encoding="utf-8") as f:
+        return loads(f.read(), path)
