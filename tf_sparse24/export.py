@@ -151,8 +151,11 @@ def load(export_dir: str | os.PathLike) -> Any:
         ops.load_library()
     try:
         loaded = tf.saved_model.load(export_dir)
-    except (tf.errors.OpError, ValueError, OSError) as e:
-        raise ExportError(f"cannot load the SavedModel in {export_dir}: {e}") from e
+    except Exception as e:  # noqa: BLE001  (TF raises OpError, IndexError, ... on a bad file)
+        raise ExportError(
+            f"cannot load the SavedModel in {export_dir}: {_unreadable_tensor(export_dir, metadata)}"
+            f"{type(e).__name__}: {e}"
+        ) from e
     embedded = loaded.metadata().numpy().decode("utf-8")
     if md.loads(embedded, "embedded metadata") != metadata:
         raise ExportError(
@@ -175,6 +178,29 @@ def load(export_dir: str | os.PathLike) -> Any:
             )
     loaded.sparse24_metadata = metadata
     return loaded
+
+
+def _unreadable_tensor(export_dir: str, metadata: dict[str, Any]) -> str:
+    """Names the first stored tensor the checkpoint reader cannot read back, if any."""
+    try:
+        reader = tf.train.load_checkpoint(os.path.join(export_dir, "variables", "variables"))
+        keys = sorted(reader.get_variable_to_shape_map(), key=lambda k: (k.startswith("_"), k))
+    except Exception as e:  # noqa: BLE001
+        return f"the variables index is unreadable ({type(e).__name__}); "
+    records = {"sparse_values": [e["values"] for e in metadata["sparse"]],
+               "sparse_meta": [e["meta"] for e in metadata["sparse"]],
+               "dense": metadata["dense"]}
+    for key in keys:
+        try:
+            reader.get_tensor(key)
+        except Exception:  # noqa: BLE001
+            group, _, index = key.partition("/")
+            index = index.split("/")[0]
+            if group in records and index.isdigit() and int(index) < len(records[group]):
+                name = records[group][int(index)]["name"]
+                return f"tensor {name!r} (checkpoint key {key!r}) is corrupted; "
+            return f"checkpoint key {key!r} is corrupted; "
+    return ""
 
 
 def _stored_tensors(loaded: Any, metadata: dict[str, Any]) -> list[tuple[dict, tf.Variable]]:

@@ -1,0 +1,160 @@
+"""Checking and describing exports: `verify` (checksums, 2:4 validity, ops, outputs) and `describe`.
+
+Used by `python -m tf_sparse24 verify DIR` / `inspect DIR`; both work on either mode.
+
+Example:
+    >>> report = tf_sparse24.verify_export("models/mnist/1", against="mnist_pruned.keras")
+    >>> print(tf_sparse24.describe_export("models/mnist/1"))
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import keras
+import numpy as np
+
+from tf_sparse24 import export as export_lib
+from tf_sparse24 import format as fmt
+from tf_sparse24 import metadata as md
+from tf_sparse24.metadata import ExportError
+
+
+def verify(
+    export_dir: str | os.PathLike,
+    against: str | os.PathLike | keras.Model | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Checks an export end to end and returns what was checked.
+
+    Checks: the metadata and every tensor's sha256 (`tf_sparse24.load`), that every stored `meta`
+    is valid `sparse24/v1` (each group's two positions strictly ascending, so the rebuilt weights
+    are exactly 2:4), that a `portable` export uses only stock TensorFlow ops (an `accelerated` one
+    only stock ops plus the two `Sparse24*` ops), and, with `against`, that `serving_default`
+    matches the Keras model on random inputs within the dtype's tolerance.
+
+    Args:
+        export_dir: the version directory written by `tf_sparse24.export`.
+        against: a Keras model or a `.keras` file to compare outputs with.
+        seed: seed of the random comparison inputs.
+
+    Returns:
+        A dict: `mode`, `tensors` (checksums checked), `sparse_weights`, `nonstock_ops`, and with
+        `against` also `max_abs_diff` per output.
+
+    Raises:
+        ExportError: naming the tensor, op or output that failed.
+    """
+    loaded = export_lib.load(export_dir)
+    metadata = loaded.sparse24_metadata
+    for entry, meta in zip(metadata["sparse"], loaded.sparse_meta):
+        try:
+            fmt.check_meta(meta.numpy(), entry["k"])
+        except ValueError as e:
+            raise ExportError(f"weight {entry['name']!r}: {e}") from e
+    extra = export_lib.nonstock_ops(export_lib.graph_ops(export_dir))
+    allowed = set() if metadata["mode"] == "portable" else set(export_lib.ACCELERATED_OPS)
+    if extra - allowed:
+        raise ExportError(
+            f"the {metadata['mode']} export uses ops that stock TensorFlow does not register: "
+            f"{sorted(extra - allowed)}"
+        )
+    report = {
+        "mode": metadata["mode"],
+        "tensors": 2 * len(metadata["sparse"]) + len(metadata["dense"]),
+        "sparse_weights": len(metadata["sparse"]),
+        "nonstock_ops": sorted(extra),
+    }
+    if against is not None:
+        report["max_abs_diff"] = _compare(loaded, metadata, against, seed)
+    return report
+
+
+def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
+    model = against
+    if not isinstance(model, keras.Model):
+        model = keras.saving.load_model(os.fspath(against), compile=False)
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for name, spec in metadata["signature"]["inputs"].items():
+        shape = [2 if i == 0 else 8 for i in range(len(spec["shape"]))]
+        shape = [d if d is not None else shape[i] for i, d in enumerate(spec["shape"])]
+        dtype = np.dtype(spec["dtype"]) if spec["dtype"] != "bfloat16" else np.float32
+        inputs[name] = (rng.standard_normal(shape) if dtype.kind == "f" else np.zeros(shape)).astype(
+            dtype
+        )
+    served = loaded.signatures[export_lib.SIGNATURE](**inputs)
+    flat_inputs = list(inputs.values())
+    expected = model(export_lib._structure_inputs(model, flat_inputs), training=False)  # noqa: SLF001
+    names = export_lib._output_names(model, expected)  # noqa: SLF001
+    flat = [expected[k] for k in sorted(expected)] if isinstance(expected, dict) else (
+        keras.tree.flatten(expected)
+    )
+    diffs = {}
+    for name, want in zip(names, flat):
+        want = np.asarray(keras.ops.convert_to_numpy(want), np.float64)
+        got = np.asarray(served[name].numpy(), np.float64)
+        if got.shape != want.shape:
+            raise ExportError(f"output {name!r}: served shape {got.shape}, model gives {want.shape}")
+        tol = (1e-4 if served[name].dtype.size >= 4 else 2e-2) * max(1.0, float(np.abs(want).max()))
+        diffs[name] = float(np.abs(got - want).max()) if want.size else 0.0
+        if not diffs[name] <= tol:
+            raise ExportError(
+                f"output {name!r} differs from the Keras model by {diffs[name]:.3g} (> {tol:.3g})"
+            )
+    return diffs
+
+
+def describe(export_dir: str | os.PathLike) -> str:
+    """A readable summary of an export: versions, signature, per-weight table and sizes on disk.
+
+    Reads only the metadata and file sizes (no TensorFlow load), so it is quick.
+    """
+    metadata = md.read(export_dir)
+    lines = [
+        f"{os.fspath(export_dir)}: {metadata['format']} export, mode {metadata['mode']}, "
+        f"model {metadata['model']!r}",
+        f"written by tf_sparse24 {metadata['package_version']}, TensorFlow "
+        f"{metadata['tensorflow_version']}, Keras {metadata['keras_version']}",
+        f"signature {metadata['signature']['name']!r}:",
+    ]
+    for kind in ("inputs", "outputs"):
+        for name, spec in metadata["signature"][kind].items():
+            lines.append(f"  {kind[:-1]:6s} {name}: {spec['dtype']} {spec['shape']}")
+    header = ("weight", "layer", "shape", "dtype", "kernel", "stored B", "dense B", "ratio")
+    rows = []
+    stored_total = dense_total = 0
+    for e in metadata["sparse"]:
+        stored = e["values"]["bytes"] + e["meta"]["bytes"]
+        dense = int(np.prod(e["shape"])) * np.dtype(e["values"]["dtype"]).itemsize
+        stored_total, dense_total = stored_total + stored, dense_total + dense
+        rows.append((e["name"], e["layer"], "x".join(map(str, e["shape"])), e["dtype"], e["kernel"],
+                     str(stored), str(dense), f"{stored / dense:.3f}" if dense else "-"))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines.append("compressed weights:")
+    for row in [header, *rows]:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    other = sum(r["bytes"] for r in metadata["dense"])
+    lines.append(
+        f"{len(metadata['sparse'])} compressed weights: {stored_total} B stored for {dense_total} B "
+        f"dense ({stored_total / max(dense_total, 1):.3f}x); {len(metadata['dense'])} other "
+        f"tensors: {other} B"
+    )
+    for name, size in _disk_sizes(export_dir).items():
+        lines.append(f"on disk: {name} {size} B")
+    return "\n".join(lines)
+
+
+def _disk_sizes(export_dir: str | os.PathLike) -> dict[str, int]:
+    export_dir = os.fspath(export_dir)
+    sizes = {}
+    for part in ("saved_model.pb", "variables", "assets"):
+        path = os.path.join(export_dir, part)
+        if os.path.isdir(path):
+            sizes[part + "/"] = sum(
+                os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+            )
+        elif os.path.exists(path):
+            sizes[part] = os.path.getsize(path)
+    return sizes
