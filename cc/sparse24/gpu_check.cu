@@ -1,0 +1,732 @@
+// gpu_check: framework-free test and benchmark of the GPU path (no TensorFlow).
+//
+// 1. Checks, on fresh random inputs (never zeros; all-zero and -0.0 groups included on purpose) and
+//    with every output poisoned (0xFF bytes = NaN) first: GPU compress against a CPU reference,
+//    bit for bit; the first-bad-group and meta checks; decompress both ways; cuSPARSELt matmul,
+//    cuBLAS and the plain fallback kernel against a float64 CPU product.
+// 2. Times cuSPARSELt 2:4 (default config, then after cusparseLtMatmulSearch) against cuBLAS
+//    dense (cublasGemmEx, fp32 accumulation), CUDA events, median of many timed batches after
+//    warm-up, inputs rotated so repeated runs do not just hit L2; prints a ratio table.
+// Every CUDA, cuBLAS and cuSPARSELt status is checked. Exit status: 0 all checks passed, 1 a check
+// failed, 2 bad arguments, 3 a library or the GPU is missing.
+//
+// Build and run: scripts/gpu_check.sh (it finds the libraries). `gpu_check --help` lists flags.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/sparse24/cusparselt.h"
+#include "cc/sparse24/dtype.h"
+#include "cc/sparse24/gpu_kernels.h"
+#include "cc/sparse24/gpu_spmm.h"
+
+namespace {
+
+using sparse24::DType;
+namespace gpu = sparse24::gpu;
+
+// ---------------------------------------------------------------------------------------------
+// Errors and output.
+
+FILE* g_log = nullptr;  // --out DIR/gpu_check.log, written beside stdout
+
+void out(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+void out(const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  char buf[4096];
+  vsnprintf(buf, sizeof(buf), fmt, args);
+  va_end(args);
+  fputs(buf, stdout);
+  fflush(stdout);
+  if (g_log) { fputs(buf, g_log); fflush(g_log); }
+}
+
+[[noreturn]] void die(int code, const std::string& what) {
+  out("gpu_check: FATAL: %s\n", what.c_str());
+  exit(code);
+}
+
+#define CUDA_OK(expr)                                                                        \
+  do {                                                                                       \
+    cudaError_t _e = (expr);                                                                 \
+    if (_e != cudaSuccess) die(1, std::string(#expr) + ": " + cudaGetErrorString(_e) +      \
+                                      " at line " + std::to_string(__LINE__));               \
+  } while (0)
+#define LAUNCH_OK() CUDA_OK(cudaGetLastError())
+#define LT_OK(expr)                                                                          \
+  do {                                                                                       \
+    std::string _m = (expr);                                                                 \
+    if (!_m.empty()) die(1, _m + " at line " + std::to_string(__LINE__));                    \
+  } while (0)
+
+int g_failures = 0;
+void verdict(bool ok, const std::string& what) {
+  if (!ok) ++g_failures;
+  out("  [%s] %s\n", ok ? "ok" : "FAIL", what.c_str());
+}
+
+// ---------------------------------------------------------------------------------------------
+// cuBLAS, loaded at run time (declarations from the cuBLAS documentation; values as in
+// cublas_api.h: CUBLAS_OP_N = 0, CUBLAS_COMPUTE_32F = 68, CUBLAS_GEMM_DEFAULT = -1).
+
+struct Cublas {
+  int (*Create)(void**);
+  int (*SetStream)(void*, cudaStream_t);
+  int (*GemmEx)(void*, int, int, int, int, int, const void*, const void*, int, int, const void*,
+                int, int, const void*, void*, int, int, int, int);
+  void* handle = nullptr;
+};
+
+Cublas load_cublas(const std::string& path, std::string* where) {
+  std::vector<std::string> names;
+  if (!path.empty()) names.push_back(path);
+  for (const char* n : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}) names.push_back(n);
+  std::string tried;
+  for (const std::string& n : names) {
+    void* lib = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!lib) { tried += "\n  " + n + ": " + dlerror(); continue; }
+    Cublas c;
+    c.Create = reinterpret_cast<decltype(c.Create)>(dlsym(lib, "cublasCreate_v2"));
+    c.SetStream = reinterpret_cast<decltype(c.SetStream)>(dlsym(lib, "cublasSetStream_v2"));
+    c.GemmEx = reinterpret_cast<decltype(c.GemmEx)>(dlsym(lib, "cublasGemmEx"));
+    if (!c.Create || !c.SetStream || !c.GemmEx) die(3, n + " lacks cublasCreate_v2/SetStream_v2/GemmEx");
+    *where = n;
+    return c;
+  }
+  die(3, "cuBLAS not found (pass --cublas PATH). Tried:" + tried);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host-side element conversions and the CPU reference of sparse24/v1 (written from
+// docs/FORMAT.md, independently of the GPU kernels).
+
+float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = (h >> 15) & 1, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float v;
+  if (exp == 0) v = std::ldexp(static_cast<float>(man), -24);
+  else if (exp == 31) v = man ? NAN : INFINITY;
+  else v = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
+  return sign ? -v : v;
+}
+
+int esize(DType t) { return static_cast<int>(sparse24::dtype_size(t)); }
+const char* dname(DType t) {
+  return t == DType::kBFloat16 ? "bf16" : t == DType::kFloat16 ? "fp16" : "fp32";
+}
+int cuda_type(DType t) { return t == DType::kBFloat16 ? 14 : t == DType::kFloat16 ? 2 : 0; }
+
+double to_double(DType t, const uint8_t* p, int64_t i) {
+  if (t == DType::kFloat32) { float f; std::memcpy(&f, p + 4 * i, 4); return f; }
+  uint16_t h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return t == DType::kBFloat16 ? sparse24::bf16_to_f32(h) : half_bits_to_float(h);
+}
+bool is_nonzero(DType t, const uint8_t* p, int64_t i) {
+  if (t == DType::kFloat32) { uint32_t b; std::memcpy(&b, p + 4 * i, 4); return (b & 0x7fffffffu) != 0; }
+  uint16_t b;
+  std::memcpy(&b, p + 2 * i, 2);
+  return (b & 0x7fffu) != 0;
+}
+
+// W [K, N] -> values [N, K/2], meta [N, ceil(K/8)]; pads +0.0.
+void cpu_compress(DType t, const std::vector<uint8_t>& w, int64_t K, int64_t N,
+                  std::vector<uint8_t>* values, std::vector<uint8_t>* meta) {
+  const int es = esize(t);
+  const int64_t bytes = (K + 7) / 8;
+  values->assign(N * (K / 2) * es, 0);
+  meta->assign(N * bytes, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t g = 0; g < K / 4; ++g) {
+      std::vector<int> keep;
+      for (int r = 0; r < 4; ++r) if (is_nonzero(t, w.data(), (4 * g + r) * N + n)) keep.push_back(r);
+      for (int r = 0; r < 4 && keep.size() < 2; ++r) {
+        if (std::find(keep.begin(), keep.end(), r) == keep.end()) keep.push_back(r);
+      }
+      std::sort(keep.begin(), keep.begin() + 2);
+      for (int j = 0; j < 2; ++j) {
+        const int64_t src = (4 * g + keep[j]) * N + n, dst = n * (K / 2) + 2 * g + j;
+        if (is_nonzero(t, w.data(), src)) std::memcpy(&(*values)[dst * es], &w[src * es], es);
+      }
+      (*meta)[n * bytes + g / 2] |= static_cast<uint8_t>((keep[0] | (keep[1] << 2)) << (4 * (g % 2)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device buffers and random inputs.
+
+struct Buf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit Buf(size_t n = 0) : bytes(n) { if (n) CUDA_OK(cudaMalloc(&p, n)); }
+  ~Buf() { if (p) cudaFree(p); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  Buf(Buf&& o) noexcept : p(o.p), bytes(o.bytes) { o.p = nullptr; o.bytes = 0; }
+  Buf& operator=(Buf&& o) noexcept {
+    std::swap(p, o.p);
+    std::swap(bytes, o.bytes);
+    return *this;
+  }
+  template <typename T = void> T* get() const { return static_cast<T*>(p); }
+  void poison() const { if (bytes) CUDA_OK(cudaMemset(p, 0xff, bytes)); }
+  std::vector<uint8_t> host() const {
+    std::vector<uint8_t> h(bytes);
+    if (bytes) CUDA_OK(cudaMemcpy(h.data(), p, bytes, cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+__device__ uint64_t hash3(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t z = a * 0x9e3779b97f4a7c15ull ^ (b + 0x632be59bd9b4e019ull) * 0xbf58476d1ce4e5b9ull ^
+               (c + 0x1234567ull) * 0x94d049bb133111ebull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__device__ void store_float(DType t, void* p, int64_t i, float v) {
+  if (t == DType::kFloat32) { static_cast<float*>(p)[i] = v; return; }
+  if (t == DType::kFloat16) { static_cast<__half*>(p)[i] = __float2half_rn(v); return; }
+  uint32_t bits = __float_as_uint(v);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(bits >> 16);
+}
+
+// Non-zero magnitudes in [0.25, 1): exact in every dtype's range, never rounded to 0.
+__device__ float random_value(uint64_t h) {
+  const float u = 0.25f + 0.75f * static_cast<float>((h >> 11) & 0xffffff) / 16777216.f;
+  return (h & 1) ? -u : u;
+}
+
+// W [K, N] 2:4 along K: per group 2 non-zeros (7/8 of groups), 1 (3/32) or none (1/32, with a
+// -0.0 sometimes, which compression must store as +0.0).
+__global__ void fill_sparse24(DType t, void* w, int64_t K, int64_t N, uint64_t seed) {
+  const int64_t total = (K / 4) * N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = i / N, n = i % N;
+    const uint64_t h = hash3(seed, g, n);
+    const int kind = static_cast<int>((h >> 40) & 31);
+    const int count = kind == 0 ? 0 : kind <= 3 ? 1 : 2;
+    const int pair = static_cast<int>((h >> 45) % 6);
+    const int pairs[6][2] = {{0, 1}, {0, 2}, {0, 3}, {1, 2}, {1, 3}, {2, 3}};
+    for (int r = 0; r < 4; ++r) {
+      const bool on = (count == 2 && (r == pairs[pair][0] || r == pairs[pair][1])) ||
+                      (count == 1 && r == pairs[pair][1]);
+      const float v = on ? random_value(hash3(seed + 1, 4 * g + r, n)) : ((h >> 50) & 1 ? -0.f : 0.f);
+      store_float(t, w, (4 * g + r) * N + n, v);
+    }
+  }
+}
+
+__global__ void fill_dense(DType t, void* x, int64_t count, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    store_float(t, x, i, random_value(hash3(seed, i, 7)));
+  }
+}
+
+int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>(4096, (n + 255) / 256)); }
+
+uint64_t g_seed = 0;
+uint64_t next_seed() { return ++g_seed * 1000003ull + static_cast<uint64_t>(time(nullptr)); }
+
+// A problem instance: W [K, N] (dense and compressed), x [M, K], y [M, N].
+struct Problem {
+  DType t;
+  int64_t M, K, N;
+  Buf w, values, meta, x;
+  Problem(DType t_, int64_t M_, int64_t K_, int64_t N_)
+      : t(t_), M(M_), K(K_), N(N_), w(K_ * N_ * esize(t_)), values(N_ * (K_ / 2) * esize(t_)),
+        meta(N_ * ((K_ + 7) / 8)), x(M_ * K_ * esize(t_)) {
+    fill_sparse24<<<grid_for(K * N / 4), 256>>>(t, w.p, K, N, next_seed());
+    LAUNCH_OK();
+    fill_dense<<<grid_for(M * K), 256>>>(t, x.p, M * K, next_seed());
+    LAUNCH_OK();
+  }
+  // GPU compress into values/meta (poisoned first); returns the first-bad slot.
+  unsigned long long compress() {
+    values.poison();
+    meta.poison();
+    Buf slot(sizeof(unsigned long long));
+    CUDA_OK(gpu::reset_error_slots(slot.get<unsigned long long>(), 1, 0));
+    CUDA_OK(gpu::compress(t, w.p, K, N, values.p, meta.get<uint8_t>(), slot.get<unsigned long long>(), 0));
+    unsigned long long bad;
+    CUDA_OK(cudaMemcpy(&bad, slot.p, sizeof(bad), cudaMemcpyDeviceToHost));
+    return bad;
+  }
+};
+
+// ||y - x @ W|| / ||x @ W|| over `rows` of the first `m` rows of y, float64 on the CPU; also counts
+// non-finite values in those m rows of y (poisoned before the run, so NaN = never written).
+struct Check { double rel_err; int64_t bad_outputs; };
+Check check_product(const Problem& p, const Buf& y, int64_t m, int rows) {
+  const std::vector<uint8_t> hw = p.w.host(), hx = p.x.host(), hy = y.host();
+  Check c{0, 0};
+  for (int64_t i = 0; i < m * p.N; ++i) c.bad_outputs += !std::isfinite(to_double(p.t, hy.data(), i));
+  rows = static_cast<int>(std::min<int64_t>(rows, m));
+  std::vector<int64_t> picks;
+  for (int r = 0; r < rows; ++r) picks.push_back(rows == 1 ? 0 : r * (m - 1) / (rows - 1));
+  std::vector<double> num(picks.size()), den(picks.size());
+  std::vector<std::thread> pool;
+  for (size_t j = 0; j < picks.size(); ++j) {
+    pool.emplace_back([&, j] {
+      const int64_t m = picks[j];
+      std::vector<double> acc(p.N, 0.0);
+      for (int64_t k = 0; k < p.K; ++k) {
+        const double xv = to_double(p.t, hx.data(), m * p.K + k);
+        for (int64_t n = 0; n < p.N; ++n) acc[n] += xv * to_double(p.t, hw.data(), k * p.N + n);
+      }
+      for (int64_t n = 0; n < p.N; ++n) {
+        const double d = to_double(p.t, hy.data(), m * p.N + n) - acc[n];
+        num[j] += d * d;
+        den[j] += acc[n] * acc[n];
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  double sn = 0, sd = 0;
+  for (size_t j = 0; j < picks.size(); ++j) { sn += num[j]; sd += den[j]; }
+  c.rel_err = std::sqrt(sn / std::max(sd, 1e-300));
+  if (std::isnan(c.rel_err)) c.rel_err = INFINITY;
+  return c;
+}
+
+double tolerance(DType t) { return t == DType::kFloat32 ? 1e-5 : t == DType::kFloat16 ? 2e-3 : 1e-2; }
+
+std::string fmt(const char* f, ...) {
+  va_list args;
+  va_start(args, f);
+  char buf[512];
+  vsnprintf(buf, sizeof(buf), f, args);
+  va_end(args);
+  return buf;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The three matmul paths on one Problem.
+
+struct LtRunner {
+  gpu::LtContext* ctx;
+  gpu::LtSparseOperand operand;
+  gpu::LtMatmulPlan plan;
+  Buf compressed, workspace;
+  int64_t m_pad;
+  LtRunner(gpu::LtContext* c, const Problem& p) : ctx(c), m_pad(gpu::lt_padded_rows(p.M)) {
+    Buf wt(p.N * p.K * esize(p.t));
+    wt.poison();
+    CUDA_OK(gpu::decompress(p.t, p.values.p, p.meta.get<uint8_t>(), p.K, p.N, true, wt.p, 0));
+    LT_OK(operand.init(ctx, p.t, p.K, p.N));
+    compressed = Buf(operand.compressed_bytes());
+    Buf scratch(operand.scratch_bytes());
+    LT_OK(operand.compress(wt.p, compressed.p, scratch.p, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    LT_OK(plan.init(ctx, p.t, m_pad, p.K, p.N));
+    workspace = Buf(plan.workspace_bytes());
+  }
+};
+
+// y [m, N] = x[:m] @ W with cuBLAS.
+void cublas_run(const Cublas& cb, const Problem& p, int64_t m, const void* w, const void* x, void* y) {
+  // Column-major view: y^T [N, M] = W^T [N, K] (W row-major, ld N) @ x^T [K, M] (x row-major, ld K).
+  const float alpha = 1.f, beta = 0.f;
+  const int type = cuda_type(p.t);
+  const int status = cb.GemmEx(cb.handle, 0, 0, static_cast<int>(p.N), static_cast<int>(m),
+                               static_cast<int>(p.K), &alpha, w, type, static_cast<int>(p.N), x,
+                               type, static_cast<int>(p.K), &beta, y, type, static_cast<int>(p.N),
+                               /*CUBLAS_COMPUTE_32F*/ 68, /*CUBLAS_GEMM_DEFAULT*/ -1);
+  if (status != 0) die(1, fmt("cublasGemmEx(M=%ld K=%ld N=%ld %s) returned %d", (long)m,
+                              (long)p.K, (long)p.N, dname(p.t), status));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks.
+
+void check_format(DType t, int64_t K, int64_t N) {
+  Problem p(t, 1, K, N);
+  const unsigned long long bad = p.compress();
+  std::vector<uint8_t> ref_v, ref_m;
+  const std::vector<uint8_t> hw = p.w.host();
+  cpu_compress(t, hw, K, N, &ref_v, &ref_m);
+  const std::string shape = fmt("%s K=%ld N=%ld", dname(t), (long)K, (long)N);
+  verdict(bad == gpu::kNoError, "compress reports no bad group on 2:4 input, " + shape);
+  verdict(p.values.host() == ref_v && p.meta.host() == ref_m,
+          "compress == CPU reference, values and meta bit for bit, " + shape);
+  // Decompress both ways: W with every -0.0 as +0.0, and its transpose.
+  std::vector<uint8_t> canon = hw;
+  const int es = esize(t);
+  for (int64_t i = 0; i < K * N; ++i) {
+    if (!is_nonzero(t, hw.data(), i)) std::memset(&canon[i * es], 0, es);
+  }
+  std::vector<uint8_t> canon_t(canon.size());
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) std::memcpy(&canon_t[(n * K + k) * es], &canon[(k * N + n) * es], es);
+  Buf dense(K * N * es);
+  for (bool transposed : {false, true}) {
+    dense.poison();
+    CUDA_OK(gpu::decompress(t, p.values.p, p.meta.get<uint8_t>(), K, N, transposed, dense.p, 0));
+    verdict(dense.host() == (transposed ? canon_t : canon),
+            std::string("decompress") + (transposed ? " to W^T" : "") + " == W, " + shape);
+  }
+  // Meta check: none on valid meta; then a descending pair in row n=N/2, group g=1.
+  Buf slots(2 * sizeof(unsigned long long));
+  unsigned long long got[2];
+  CUDA_OK(gpu::reset_error_slots(slots.get<unsigned long long>(), 2, 0));
+  CUDA_OK(gpu::check_meta(p.meta.get<uint8_t>(), K, N, slots.get<unsigned long long>(), 0));
+  CUDA_OK(cudaMemcpy(got, slots.p, sizeof(got), cudaMemcpyDeviceToHost));
+  verdict(got[0] == gpu::kNoError && got[1] == gpu::kNoError, "check_meta accepts compress output, " + shape);
+  if (K >= 8) {
+    const int64_t n = N / 2, byte_index = n * ((K + 7) / 8);
+    uint8_t byte;
+    CUDA_OK(cudaMemcpy(&byte, p.meta.get<uint8_t>() + byte_index, 1, cudaMemcpyDeviceToHost));
+    byte = static_cast<uint8_t>((byte & 0x0f) | (0x6 << 4));  // group 1: positions (2, 1)
+    CUDA_OK(cudaMemcpy(p.meta.get<uint8_t>() + byte_index, &byte, 1, cudaMemcpyHostToDevice));
+    CUDA_OK(gpu::reset_error_slots(slots.get<unsigned long long>(), 2, 0));
+    CUDA_OK(gpu::check_meta(p.meta.get<uint8_t>(), K, N, slots.get<unsigned long long>(), 0));
+    CUDA_OK(cudaMemcpy(got, slots.p, sizeof(got), cudaMemcpyDeviceToHost));
+    verdict(got[0] == static_cast<unsigned long long>(n * (K / 4) + 1),
+            fmt("check_meta names row n=%ld group g=1 (got index %llu), ", (long)n, got[0]) + shape);
+  }
+  // Non-2:4 input: three non-zeros in two groups; the first in memory order (g, n) is reported.
+  const int64_t g_a = K / 4 - 1, n_a = N - 1, g_b = K / 4 - 1, n_b = N / 3;
+  for (auto [g, n] : {std::pair<int64_t, int64_t>{g_a, n_a}, {g_b, n_b}}) {
+    for (int r = 0; r < 3; ++r) {
+      std::vector<uint8_t> one(es);
+      if (t == DType::kFloat32) { float v = 0.5f; std::memcpy(one.data(), &v, 4); }
+      else { uint16_t v = t == DType::kBFloat16 ? 0x3f00 : 0x3800; std::memcpy(one.data(), &v, 2); }
+      CUDA_OK(cudaMemcpy(p.w.get<uint8_t>() + ((4 * g + r) * N + n) * es, one.data(), es, cudaMemcpyHostToDevice));
+    }
+  }
+  const unsigned long long first = p.compress();
+  verdict(first == static_cast<unsigned long long>(g_b * N + std::min(n_a, n_b)),
+          fmt("compress names the first non-2:4 group g=%ld n=%ld (got index %llu), ", (long)g_b,
+              (long)std::min(n_a, n_b), first) + shape);
+}
+
+void check_matmul(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, int64_t N) {
+  Problem p(t, M, K, N);
+  if (p.compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+  const std::string shape = fmt("%s M=%ld K=%ld N=%ld", dname(t), (long)M, (long)K, (long)N);
+  const int rows = static_cast<int>(std::min<int64_t>(M, 64));
+  Buf y(M * N * esize(t));
+  y.poison();
+  CUDA_OK(gpu::spmm_simple(t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p, 0));
+  CUDA_OK(cudaDeviceSynchronize());
+  Check c = check_product(p, y, M, rows);
+  verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
+          fmt("fallback spmm_simple rel err %.2e, unwritten %ld, ", c.rel_err, (long)c.bad_outputs) + shape);
+  if (t == DType::kFloat32) return;
+  y.poison();
+  cublas_run(cb, p, M, p.w.p, p.x.p, y.p);
+  CUDA_OK(cudaDeviceSynchronize());
+  c = check_product(p, y, M, rows);
+  verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
+          fmt("cuBLAS dense rel err %.2e, unwritten %ld, ", c.rel_err, (long)c.bad_outputs) + shape);
+  if (!gpu::lt_unsupported_reason(t, K, N).empty()) return;
+  LtRunner lt(ctx, p);
+  // cuSPARSELt sees x padded to m_pad rows (pad rows random too: they must not leak into y).
+  Buf xp(lt.m_pad * K * esize(t)), yp(lt.m_pad * N * esize(t));
+  fill_dense<<<grid_for(lt.m_pad * K), 256>>>(t, xp.p, lt.m_pad * K, next_seed());
+  LAUNCH_OK();
+  CUDA_OK(cudaMemcpy(xp.p, p.x.p, p.x.bytes, cudaMemcpyDeviceToDevice));
+  yp.poison();
+  LT_OK(lt.plan.run(lt.compressed.p, xp.p, yp.p, lt.workspace.p, 0));
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(y.p, yp.p, y.bytes, cudaMemcpyDeviceToDevice));
+  c = check_product(p, y, M, rows);
+  std::vector<uint8_t> pad = yp.host();
+  int64_t pad_nan = 0;
+  for (int64_t i = M * N; i < lt.m_pad * N; ++i) pad_nan += !std::isfinite(to_double(t, pad.data(), i));
+  verdict(c.bad_outputs == 0 && pad_nan == 0 && c.rel_err < tolerance(t),
+          fmt("cuSPARSELt rel err %.2e, unwritten %ld (+%ld in pad rows), M padded to %ld, ",
+              c.rel_err, (long)c.bad_outputs, (long)pad_nan, (long)lt.m_pad) + shape);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing: median over `reps` batches of `per` launches each, CUDA events, after warm-up.
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? NAN : v[v.size() / 2];
+}
+
+double time_ms(const std::function<void(int)>& launch, int copies, int warmup, int reps) {
+  cudaEvent_t a, b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  int i = 0;
+  for (int w = 0; w < warmup; ++w) launch(i++ % copies);
+  CUDA_OK(cudaEventRecord(a));
+  launch(i++ % copies);
+  CUDA_OK(cudaEventRecord(b));
+  CUDA_OK(cudaEventSynchronize(b));
+  float one = 0;
+  CUDA_OK(cudaEventElapsedTime(&one, a, b));
+  const int per = std::clamp(static_cast<int>(0.5 / std::max(one, 1e-4f)), 1, 200);
+  std::vector<double> samples;
+  for (int r = 0; r < reps; ++r) {
+    CUDA_OK(cudaEventRecord(a));
+    for (int j = 0; j < per; ++j) launch(i++ % copies);
+    CUDA_OK(cudaEventRecord(b));
+    CUDA_OK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    samples.push_back(ms / per);
+  }
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaEventDestroy(a));
+  CUDA_OK(cudaEventDestroy(b));
+  return median(samples);
+}
+
+struct Row {
+  std::string dtype;
+  int64_t M, K, N;
+  double dense_ms, lt_ms, lt_search_ms, err;
+  int config;
+};
+
+Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, int64_t N,
+          int warmup, int reps, int check_rows, size_t l2_bytes) {
+  const int64_t m_pad = gpu::lt_padded_rows(M), es = esize(t);
+  const size_t set_bytes = (K * N + m_pad * K + m_pad * N) * es;
+  const int copies = static_cast<int>(std::clamp<size_t>(3 * l2_bytes / set_bytes + 1, 1, 8));
+  std::vector<Problem> ps;  // x has m_pad rows; cuBLAS uses and the check reads the first M
+  ps.reserve(copies);
+  std::vector<std::unique_ptr<LtRunner>> lts;
+  std::vector<Buf> xs, ys;
+  for (int c = 0; c < copies; ++c) {
+    ps.emplace_back(t, m_pad, K, N);
+    if (ps.back().compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+    lts.push_back(std::make_unique<LtRunner>(ctx, ps.back()));
+    ys.emplace_back(m_pad * N * es);
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  Row row{dname(t), M, K, N, 0, 0, 0, 0, -1};
+  // Correctness of this very shape: cuSPARSELt output, poisoned first, against float64.
+  ys[0].poison();
+  LT_OK(lts[0]->plan.run(lts[0]->compressed.p, ps[0].x.p, ys[0].p, lts[0]->workspace.p, 0));
+  CUDA_OK(cudaDeviceSynchronize());
+  Check c = check_product(ps[0], ys[0], M, check_rows);
+  row.err = c.bad_outputs ? INFINITY : c.rel_err;
+  verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
+          fmt("bench shape %s M=%ld K=%ld N=%ld: cuSPARSELt rel err %.2e on %d rows, unwritten %ld",
+              dname(t), (long)M, (long)K, (long)N, c.rel_err, check_rows, (long)c.bad_outputs));
+  row.dense_ms = time_ms([&](int i) { cublas_run(cb, ps[i], M, ps[i].w.p, ps[i].x.p, ys[i].p); },
+                         copies, warmup, reps);
+  auto lt_launch = [&](int i) {
+    LT_OK(lts[i]->plan.run(lts[i]->compressed.p, ps[i].x.p, ys[i].p, lts[i]->workspace.p, 0));
+  };
+  row.lt_ms = time_ms(lt_launch, copies, warmup, reps);
+  // Search on copy 0, then use the same configuration on every copy (re-planned identically).
+  int config = -1;
+  LT_OK(lts[0]->plan.search(lts[0]->compressed.p, ps[0].x.p, ys[0].p, lts[0]->workspace.p, 0, &config));
+  for (int i = 1; i < copies; ++i) {
+    int other = -1;
+    LT_OK(lts[i]->plan.search(lts[i]->compressed.p, ps[i].x.p, ys[i].p, lts[i]->workspace.p, 0, &other));
+  }
+  for (auto& lt : lts) lt->workspace = Buf(lt->plan.workspace_bytes());
+  row.config = config;
+  row.lt_search_ms = time_ms(lt_launch, copies, warmup, reps);
+  return row;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Arguments.
+
+struct Args {
+  std::vector<int64_t> sizes{4096, 8192, 16384};
+  std::vector<std::pair<int64_t, int64_t>> ffn{{768, 3072}, {3072, 768}, {4096, 11008}, {11008, 4096}};
+  std::vector<int64_t> batches{1, 16, 64};
+  std::vector<DType> dtypes{DType::kBFloat16, DType::kFloat16};
+  int warmup = 10, reps = 30, check_rows = 8;
+  std::string cusparselt, cublas, out_dir;
+  bool dry_run = false, skip_checks = false, skip_bench = false;
+};
+
+void usage() {
+  out("usage: gpu_check [--sizes 4096,8192,16384] [--ffn 768x3072,...(KxN)] [--batches 1,16,64]\n"
+      "                 [--dtypes bf16,fp16] [--warmup N] [--reps N] [--check-rows N]\n"
+      "                 [--cusparselt PATH/libcusparseLt.so.0] [--cublas PATH/libcublas.so.N]\n"
+      "                 [--out DIR] [--skip-checks] [--skip-bench] [--dry-run]\n"
+      "  --dry-run: parse, load the libraries, print the plan; no GPU needed.\n");
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t end = s.find(sep, start);
+    parts.push_back(s.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  return parts;
+}
+
+int64_t parse_int(const std::string& flag, const std::string& s, int64_t lo, int64_t hi) {
+  char* end = nullptr;
+  const long long v = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || *end != '\0' || v < lo || v > hi) {
+    usage();
+    die(2, flag + ": expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+               "]. Received: '" + s + "'");
+  }
+  return v;
+}
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) { usage(); die(2, flag + " needs a value"); }
+      return argv[++i];
+    };
+    if (flag == "--help" || flag == "-h") { usage(); exit(0); }
+    else if (flag == "--dry-run") a.dry_run = true;
+    else if (flag == "--skip-checks") a.skip_checks = true;
+    else if (flag == "--skip-bench") a.skip_bench = true;
+    else if (flag == "--sizes") { a.sizes.clear(); for (auto& s : split(value(), ',')) if (!s.empty()) a.sizes.push_back(parse_int(flag, s, 16, 65536)); }
+    else if (flag == "--batches") { a.batches.clear(); for (auto& s : split(value(), ',')) if (!s.empty()) a.batches.push_back(parse_int(flag, s, 1, 65536)); }
+    else if (flag == "--ffn") {
+      a.ffn.clear();
+      for (auto& s : split(value(), ',')) {
+        if (s.empty()) continue;
+        auto kn = split(s, 'x');
+        if (kn.size() != 2) { usage(); die(2, "--ffn: expected KxN pairs like 768x3072. Received: '" + s + "'"); }
+        a.ffn.emplace_back(parse_int(flag, kn[0], 16, 65536), parse_int(flag, kn[1], 16, 65536));
+      }
+    } else if (flag == "--dtypes") {
+      a.dtypes.clear();
+      for (auto& s : split(value(), ',')) {
+        if (s == "bf16") a.dtypes.push_back(DType::kBFloat16);
+        else if (s == "fp16") a.dtypes.push_back(DType::kFloat16);
+        else if (!s.empty()) { usage(); die(2, "--dtypes: bf16 or fp16. Received: '" + s + "'"); }
+      }
+    }
+    else if (flag == "--warmup") a.warmup = static_cast<int>(parse_int(flag, value(), 0, 10000));
+    else if (flag == "--reps") a.reps = static_cast<int>(parse_int(flag, value(), 1, 10000));
+    else if (flag == "--check-rows") a.check_rows = static_cast<int>(parse_int(flag, value(), 1, 4096));
+    else if (flag == "--cusparselt") a.cusparselt = value();
+    else if (flag == "--cublas") a.cublas = value();
+    else if (flag == "--out") a.out_dir = value();
+    else { usage(); die(2, "unknown argument '" + flag + "'"); }
+  }
+  for (int64_t s : a.sizes) if (s % 16) die(2, "--sizes: each size must be a multiple of 16. Received: " + std::to_string(s));
+  for (auto [k, n] : a.ffn) if (k % 16 || n % 16) die(2, "--ffn: K and N must be multiples of 16. Received: " + std::to_string(k) + "x" + std::to_string(n));
+  return a;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args = parse_args(argc, argv);
+  if (!args.out_dir.empty()) {
+    const std::string path = args.out_dir + "/gpu_check.log";
+    g_log = fopen(path.c_str(), "w");
+    if (!g_log) die(2, "--out: cannot write " + path);
+  }
+  if (!args.cusparselt.empty()) setenv("TF_SPARSE24_CUSPARSELT", args.cusparselt.c_str(), 1);
+
+  out("gpu_check: sizes");
+  for (auto s : args.sizes) out(" %ld", (long)s);
+  out("; ffn (KxN)");
+  for (auto [k, n] : args.ffn) out(" %ldx%ld", (long)k, (long)n);
+  out("; batches");
+  for (auto b : args.batches) out(" %ld", (long)b);
+  out("; dtypes");
+  for (auto t : args.dtypes) out(" %s", dname(t));
+  out("; warmup %d, reps %d\n", args.warmup, args.reps);
+
+  std::string error;
+  if (!sparse24::lt::load_cusparselt(&error)) die(3, error);
+  out("cuSPARSELt: loaded (%s)\n", args.cusparselt.empty() ? "default search path" : args.cusparselt.c_str());
+  std::string cublas_where;
+  Cublas cb = load_cublas(args.cublas, &cublas_where);
+  out("cuBLAS: loaded %s\n", cublas_where.c_str());
+  if (args.dry_run) { out("dry run: arguments and libraries OK; no GPU work done\n"); return 0; }
+
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) die(3, "no CUDA device visible");
+  cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  int driver = 0, runtime = 0;
+  CUDA_OK(cudaDriverGetVersion(&driver));
+  CUDA_OK(cudaRuntimeGetVersion(&runtime));
+  out("device: %s, sm_%d%d, %d SMs, L2 %d MiB, %.0f GiB; driver %d, runtime %d\n", prop.name,
+      prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize >> 20,
+      prop.totalGlobalMem / 1073741824.0, driver, runtime);
+  if (prop.major < 8) die(3, "the Sparse Tensor Cores need compute capability 8.0 or newer");
+  gpu::LtContext* ctx = gpu::LtContext::get(&error);
+  if (!ctx) die(3, error);
+  out("cuSPARSELt version %d\n", ctx->version());
+  if (cb.Create(&cb.handle) != 0 || cb.SetStream(cb.handle, 0) != 0) die(3, "cublasCreate failed");
+
+  if (!args.skip_checks) {
+    out("\n== checks (fresh random inputs each run; outputs poisoned with NaN first)\n");
+    for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      for (auto [K, N] : std::vector<std::pair<int64_t, int64_t>>{{20, 12}, {200, 48}, {1024, 4096}}) {
+        check_format(t, K, N);
+      }
+    }
+    for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      check_matmul(ctx, cb, t, 3, 20, 12);      // unaligned: fallback only
+      check_matmul(ctx, cb, t, 37, 200, 48);    // K not a multiple of 16: fallback only
+      check_matmul(ctx, cb, t, 1, 768, 3072);   // batch 1, padded to 16 rows
+      check_matmul(ctx, cb, t, 50, 1024, 256);  // padded to 64 rows
+      check_matmul(ctx, cb, t, 256, 4096, 4096);
+    }
+  }
+
+  std::vector<Row> rows;
+  if (!args.skip_bench) {
+    out("\n== benchmark: cuSPARSELt 2:4 vs cuBLAS dense (median ms of %d timed batches)\n", args.reps);
+    for (DType t : args.dtypes) {
+      for (int64_t s : args.sizes) {
+        rows.push_back(bench(ctx, cb, t, s, s, s, args.warmup, args.reps, args.check_rows, prop.l2CacheSize));
+      }
+      for (auto [K, N] : args.ffn) {
+        for (int64_t b : args.batches) {
+          rows.push_back(bench(ctx, cb, t, b, K, N, args.warmup, args.reps, args.check_rows, prop.l2CacheSize));
+        }
+      }
+    }
+    FILE* csv = nullptr;
+    if (!args.out_dir.empty()) csv = fopen((args.out_dir + "/gpu_check.csv").c_str(), "w");
+    if (csv) fprintf(csv, "dtype,M,K,N,cublas_ms,cusparselt_ms,cusparselt_search_ms,config,rel_err\n");
+    out("\n%-5s %6s %6s %6s | %10s %10s %10s | %8s %8s | %8s %8s | %8s\n", "dtype", "M", "K", "N",
+        "cuBLAS ms", "Lt ms", "Lt* ms", "Lt/dense", "Lt*/dns", "TF/s dns", "TF/s Lt*", "rel err");
+    for (const Row& r : rows) {
+      const double flop = 2.0 * r.M * r.K * r.N;
+      out("%-5s %6ld %6ld %6ld | %10.4f %10.4f %10.4f | %7.2fx %7.2fx | %8.1f %8.1f | %8.1e\n",
+          r.dtype.c_str(), (long)r.M, (long)r.K, (long)r.N, r.dense_ms, r.lt_ms, r.lt_search_ms,
+          r.dense_ms / r.lt_ms, r.dense_ms / r.lt_search_ms, flop / r.dense_ms / 1e9,
+          flop / r.lt_search_ms / 1e9, r.err);
+      if (csv) fprintf(csv, "%s,%ld,%ld,%ld,%.6f,%.6f,%.6f,%d,%.3e\n", r.dtype.c_str(), (long)r.M,
+                       (long)r.K, (long)r.N, r.dense_ms, r.lt_ms, r.lt_search_ms, r.config, r.err);
+    }
+    if (csv) fclose(csv);
+    out("Lt = cuSPARSELt default config; Lt* = after cusparseLtMatmulSearch. Ratios > 1: 2:4 faster.\n"
+        "TF/s counts the dense-equivalent 2*M*K*N flops. Lt runs M rounded up to a multiple of\n"
+        "%ld (the op copies x into such a padded buffer; that copy is not in these times).\n",
+        (long)gpu::kLtRowMultiple);
+  }
+  out("\ngpu_check: %s (%d failed check%s)\n", g_failures ? "FAILED" : "all checks passed",
+      g_failures, g_failures == 1 ? "" : "s");
+  if (g_log) fclose(g_log);
+  return g_failures ? 1 : 0;
+}

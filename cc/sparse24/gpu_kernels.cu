@@ -1,0 +1,253 @@
+// CUDA kernels on the sparse24/v1 format: compress, meta check, decompress, a plain SpMM and a
+// content fingerprint (see gpu_kernels.h). Compress and decompress move raw bits (no arithmetic),
+// so one kernel serves float16 and bfloat16 and the result matches format.py bit for bit.
+#include "cc/sparse24/gpu_kernels.h"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+namespace sparse24 {
+namespace gpu {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65535;
+
+int blocks_for(int64_t total) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (total + kThreads - 1) / kThreads)));
+}
+
+// Raw storage of an element and its "is non-zero" test (NaN and inf are non-zeros, -0.0 is zero).
+template <typename Bits> __device__ __forceinline__ bool nonzero(Bits b);
+template <> __device__ __forceinline__ bool nonzero<uint32_t>(uint32_t b) { return (b & 0x7fffffffu) != 0; }
+template <> __device__ __forceinline__ bool nonzero<uint16_t>(uint16_t b) { return (b & 0x7fffu) != 0; }
+
+// One thread per (meta byte b, column n), n fastest so the reads of W rows are coalesced.
+template <typename Bits>
+__global__ void compress_kernel(const Bits* __restrict__ w, int64_t K, int64_t N,
+                                Bits* __restrict__ values, uint8_t* __restrict__ meta,
+                                unsigned long long* first_bad) {
+  const int64_t groups = K / 4, bytes = (K + 7) / 8;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < bytes * N;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t n = i % N, b = i / N;
+    uint8_t byte = 0;
+    for (int half = 0; half < 2; ++half) {
+      const int64_t g = 2 * b + half;
+      if (g >= groups) break;
+      Bits e[4];
+      bool nz[4];
+      int count = 0;
+      for (int r = 0; r < 4; ++r) {
+        e[r] = w[(4 * g + r) * N + n];
+        nz[r] = nonzero(e[r]);
+        count += nz[r];
+      }
+      if (count > 2) atomicMin(first_bad, static_cast<unsigned long long>(g * N + n));
+      // Non-zeros first, then the lowest unused positions; then ascending.
+      int p[2], kept = 0;
+      for (int r = 0; r < 4 && kept < 2; ++r) if (nz[r]) p[kept++] = r;
+      for (int r = 0; r < 4 && kept < 2; ++r) if (!nz[r]) p[kept++] = r;
+      if (p[0] > p[1]) { const int t = p[0]; p[0] = p[1]; p[1] = t; }
+      Bits* out = values + n * (K / 2) + 2 * g;
+      out[0] = nz[p[0]] ? e[p[0]] : Bits(0);
+      out[1] = nz[p[1]] ? e[p[1]] : Bits(0);
+      byte |= static_cast<uint8_t>((p[0] | (p[1] << 2)) << (4 * half));
+    }
+    meta[n * bytes + b] = byte;
+  }
+}
+
+__global__ void check_meta_kernel(const uint8_t* __restrict__ meta, int64_t K, int64_t N,
+                                  unsigned long long* slots) {
+  const int64_t groups = K / 4, bytes = (K + 7) / 8;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < bytes * N;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t n = i / bytes, b = i % bytes;
+    const uint8_t byte = meta[i];
+    for (int half = 0; half < 2; ++half) {
+      const int64_t g = 2 * b + half;
+      const int nib = (byte >> (4 * half)) & 0xF;
+      if (g >= groups) {
+        if (nib != 0) atomicMin(&slots[1], static_cast<unsigned long long>(n));
+      } else if ((nib & 3) >= (nib >> 2)) {
+        atomicMin(&slots[0], static_cast<unsigned long long>(n * groups + g));
+      }
+    }
+  }
+}
+
+// One thread per (column n, meta byte b). Writes the 8 rows 8b..8b+7 (those < K) of column n.
+template <typename Bits, bool kTransposed>
+__global__ void decompress_kernel(const Bits* __restrict__ values, const uint8_t* __restrict__ meta,
+                                  int64_t K, int64_t N, Bits* __restrict__ out) {
+  const int64_t groups = K / 4, bytes = (K + 7) / 8;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < bytes * N;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    // [N, K] output: b fastest (each thread writes a contiguous run); [K, N]: n fastest.
+    const int64_t n = kTransposed ? i / bytes : i % N;
+    const int64_t b = kTransposed ? i % bytes : i / N;
+    const uint8_t byte = meta[n * bytes + b];
+    for (int half = 0; half < 2; ++half) {
+      const int64_t g = 2 * b + half;
+      if (g >= groups) break;
+      const int nib = (byte >> (4 * half)) & 0xF;
+      const Bits v0 = values[n * (K / 2) + 2 * g], v1 = values[n * (K / 2) + 2 * g + 1];
+      for (int r = 0; r < 4; ++r) {
+        const Bits v = r == (nib & 3) ? v0 : (r == (nib >> 2) ? v1 : Bits(0));
+        const int64_t k = 4 * g + r;
+        out[kTransposed ? n * K + k : k * N + n] = v;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+__device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {  // round to nearest even
+  uint32_t bits = __float_as_uint(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+struct F32 { using T = float; static __device__ float load(const T* p, int64_t i) { return p[i]; }
+             static __device__ void store(T* p, int64_t i, float v) { p[i] = v; } };
+struct F16 { using T = __half; static __device__ float load(const T* p, int64_t i) { return __half2float(p[i]); }
+             static __device__ void store(T* p, int64_t i, float v) { p[i] = __float2half_rn(v); } };
+struct BF16 { using T = uint16_t; static __device__ float load(const T* p, int64_t i) { return bf16_bits_to_float(p[i]); }
+              static __device__ void store(T* p, int64_t i, float v) { p[i] = float_to_bf16_bits(v); } };
+
+// One thread per output element, n fastest: x[m, :] is a broadcast read within a warp.
+template <typename E>
+__global__ void spmm_simple_kernel(const typename E::T* __restrict__ x,
+                                   const typename E::T* __restrict__ values,
+                                   const uint8_t* __restrict__ meta, int64_t M, int64_t K, int64_t N,
+                                   typename E::T* __restrict__ y) {
+  const int64_t groups = K / 4, bytes = (K + 7) / 8;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < M * N;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = i / N, n = i % N;
+    const typename E::T* xr = x + m * K;
+    const typename E::T* vr = values + n * (K / 2);
+    const uint8_t* mr = meta + n * bytes;
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int nib = (mr[g / 2] >> (4 * (g % 2))) & 0xF;
+      acc += E::load(xr, 4 * g + (nib & 3)) * E::load(vr, 2 * g);
+      acc += E::load(xr, 4 * g + (nib >> 2)) * E::load(vr, 2 * g + 1);
+    }
+    E::store(y, i, acc);
+  }
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {  // splitmix64 finalizer
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Sum over words of mix(word, position): order-independent, so a grid-stride loop and atomics work.
+__global__ void fingerprint_kernel(const uint8_t* __restrict__ data, int64_t bytes, bool aligned,
+                                   uint64_t salt, unsigned long long* out) {
+  const int64_t words = aligned ? bytes / 4 : bytes;
+  uint64_t sum = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < words;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint32_t word = aligned ? reinterpret_cast<const uint32_t*>(data)[i] : data[i];
+    sum += mix64(word ^ mix64(static_cast<uint64_t>(i) + salt));
+  }
+  if (aligned && blockIdx.x == 0 && threadIdx.x == 0) {  // the last bytes % 4 bytes
+    for (int64_t j = words * 4; j < bytes; ++j) sum += mix64(data[j] ^ mix64(~static_cast<uint64_t>(j) + salt));
+  }
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_down_sync(0xffffffffu, sum, off);
+  if ((threadIdx.x & 31) == 0) atomicAdd(out, static_cast<unsigned long long>(sum));
+}
+
+template <typename Bits>
+cudaError_t decompress_typed(const void* values, const uint8_t* meta, int64_t K, int64_t N,
+                             bool transposed, void* out, cudaStream_t stream) {
+  const int grid = blocks_for(N * ((K + 7) / 8));
+  if (transposed) {
+    decompress_kernel<Bits, true><<<grid, kThreads, 0, stream>>>(
+        static_cast<const Bits*>(values), meta, K, N, static_cast<Bits*>(out));
+  } else {
+    decompress_kernel<Bits, false><<<grid, kThreads, 0, stream>>>(
+        static_cast<const Bits*>(values), meta, K, N, static_cast<Bits*>(out));
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t reset_error_slots(unsigned long long* slots, int count, cudaStream_t stream) {
+  return cudaMemsetAsync(slots, 0xff, sizeof(unsigned long long) * count, stream);
+}
+
+cudaError_t compress(DType dtype, const void* w, int64_t K, int64_t N, void* values, uint8_t* meta,
+                     unsigned long long* first_bad, cudaStream_t stream) {
+  if (K == 0 || N == 0) return cudaSuccess;
+  const int grid = blocks_for(N * ((K + 7) / 8));
+  if (dtype == DType::kFloat32) {
+    compress_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(
+        static_cast<const uint32_t*>(w), K, N, static_cast<uint32_t*>(values), meta, first_bad);
+  } else {
+    compress_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(
+        static_cast<const uint16_t*>(w), K, N, static_cast<uint16_t*>(values), meta, first_bad);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t check_meta(const uint8_t* meta, int64_t K, int64_t N, unsigned long long* slots,
+                       cudaStream_t stream) {
+  if (K == 0 || N == 0) return cudaSuccess;
+  check_meta_kernel<<<blocks_for(N * ((K + 7) / 8)), kThreads, 0, stream>>>(meta, K, N, slots);
+  return cudaGetLastError();
+}
+
+cudaError_t decompress(DType dtype, const void* values, const uint8_t* meta, int64_t K, int64_t N,
+                       bool transposed, void* out, cudaStream_t stream) {
+  if (K == 0 || N == 0) return cudaSuccess;
+  return dtype == DType::kFloat32
+             ? decompress_typed<uint32_t>(values, meta, K, N, transposed, out, stream)
+             : decompress_typed<uint16_t>(values, meta, K, N, transposed, out, stream);
+}
+
+cudaError_t spmm_simple(DType dtype, const void* x, const void* values, const uint8_t* meta,
+                        int64_t M, int64_t K, int64_t N, void* y, cudaStream_t stream) {
+  if (M == 0 || N == 0) return cudaSuccess;
+  const int grid = blocks_for(M * N);
+  switch (dtype) {
+    case DType::kFloat32:
+      spmm_simple_kernel<F32><<<grid, kThreads, 0, stream>>>(
+          static_cast<const float*>(x), static_cast<const float*>(values), meta, M, K, N,
+          static_cast<float*>(y));
+      break;
+    case DType::kFloat16:
+      spmm_simple_kernel<F16><<<grid, kThreads, 0, stream>>>(
+          static_cast<const __half*>(x), static_cast<const __half*>(values), meta, M, K, N,
+          static_cast<__half*>(y));
+      break;
+    case DType::kBFloat16:
+      spmm_simple_kernel<BF16><<<grid, kThreads, 0, stream>>>(
+          static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(values), meta, M, K, N,
+          static_cast<uint16_t*>(y));
+      break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t fingerprint_add(const void* data, int64_t bytes, uint64_t salt,
+                            unsigned long long* out, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  const bool aligned = reinterpret_cast<uintptr_t>(data) % 4 == 0;
+  const int grid = blocks_for(std::max<int64_t>(aligned ? bytes / 4 : bytes, 1));
+  fingerprint_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint8_t*>(data), bytes,
+                                                   aligned, salt, out);
+  return cudaGetLastError();
+}
+
+}  // namespace gpu
+}  // namespace sparse24
