@@ -25,8 +25,9 @@ constexpr int64_t kGemvMaxRows = 4;
 
 struct Plan {
   SpmmKernel kernel;
-  bool panel;          // kernel reads packed x^T panels (else float32 rows)
-  int64_t tile;        // output columns per parallel work unit
+  bool panel;      // kernel reads packed x^T panels (else float32 rows)
+  int64_t lanes;   // panel kernels: SIMD lanes; the tail panel's width is rounded up to them
+  int64_t tile;    // output columns per parallel work unit
 };
 
 Plan make_plan(Isa isa, int64_t M, int64_t N) {
@@ -34,14 +35,16 @@ Plan make_plan(Isa isa, int64_t M, int64_t N) {
   const int64_t panel_tile = std::clamp<int64_t>((N / 8 + 7) / 8 * 8, 16, 256);
   switch (isa) {
     case Isa::kAvx512:
-    case Isa::kAvx2:  // SIMD kernels land in spmm_*_avx2.cc / spmm_*_avx512.cc; scalar until then.
+      if (M > kGemvMaxRows) return {spmm_internal::spmm_panel_avx512, true, 16, panel_tile};
+      return {spmm_internal::spmm_gemv_avx512, false, 0, 64};
+    case Isa::kAvx2:
+      if (M > kGemvMaxRows) return {spmm_internal::spmm_panel_avx2, true, 8, panel_tile};
+      return {spmm_internal::spmm_gemv_avx2, false, 0, 64};
     case Isa::kAuto:
     case Isa::kScalar:
       break;
   }
-  (void)panel_tile;
-  (void)M;
-  return {spmm_internal::spmm_rows_scalar, false, 16};
+  return {spmm_internal::spmm_rows_scalar, false, 0, 16};
 }
 
 bool is_nonfinite(DType dtype, const void* p, int64_t i) {
@@ -69,9 +72,9 @@ void convert_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_
 }
 
 // Packs x rows of panel `p` transposed: [K][width] floats, rows past M zero.
-void pack_panel(const SpmmArgs& a, int64_t p, float* xt) {
+void pack_panel(const SpmmArgs& a, int64_t p, int64_t lanes, float* xt) {
   const int64_t m0 = p * kPanelRows;
-  const int64_t width = std::min<int64_t>(kPanelRows, (a.M - m0 + 7) / 8 * 8);
+  const int64_t width = std::min<int64_t>(kPanelRows, (a.M - m0 + lanes - 1) / lanes * lanes);
   float* dst = xt + m0 * a.K;
   for (int64_t r = 0; r < width; ++r) {
     const int64_t m = m0 + r;
@@ -146,7 +149,7 @@ void spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
     const int64_t panels = (a.M + kPanelRows - 1) / kPanelRows;
     xt.reset(new float[(a.M + kPanelRows) * a.K]);
     parallel_for(panels, kPanelRows * a.K, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) pack_panel(a, p, xt.get());
+      for (int64_t p = p0; p < p1; ++p) pack_panel(a, p, plan.lanes, xt.get());
     });
     w.xt = xt.get();
   }
