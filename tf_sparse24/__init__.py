@@ -5,3 +5,8 @@ compressed weights. The package reads top-down: masks -> wrapper -> prune -> cal
 """
 
 __version__ = "0.1.0"
+
+from tf_sparse24.masks import MASK_METHODS, compute_mask, is_nm_sparse, parse_pattern  # noqa: E402
+from tf_sparse24.wrapper import PrunedWeight, Sparse24  # noqa: E402
+from tf_sparse24.prune import eligible_weights, prune, pruned_layers, report, strip  # noqa: E402
+from tf_sparse24.callbacks import Sparse24Callback  # noqa: E402

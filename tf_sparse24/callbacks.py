@@ -1,0 +1,108 @@
+"""`Sparse24Callback`: schedules mask computation and checks the N:M invariant during `fit`.
+
+Masking itself happens in the `Sparse24` forward; the callback only observes and schedules, so the
+optimizer is never patched. All state the model needs (the masks) lives in the wrappers' weights;
+the callback keeps only a step counter, reset in `on_train_begin`, so one instance can be reused.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from tf_sparse24.masks import is_nm_sparse
+from tf_sparse24.prune import pruned_layers
+
+
+class Sparse24Callback(keras.callbacks.Callback):
+    """Keeps a pruned model's masks on schedule, checks them, and logs sparsity.
+
+    The training step is `optimizer.iterations` (saved with the optimizer), or
+    `initial_epoch * steps_per_epoch` when resuming without optimizer state, whichever is larger.
+
+    Args:
+        start_step: dense warm-up. Before this step every mask is ones (the model trains dense);
+            masks are computed by magnitude at this step. None (default): keep the masks `prune()`
+            computed.
+        update_every: recompute masks every this many steps after `start_step` (or step 0). None
+            (default): masks stay fixed, as in the paper's recipe. Resuming never recomputes
+            masks off schedule.
+        method: mask method (a key of `tf_sparse24.masks.MASK_METHODS`).
+        check: verify at every epoch end that each effective weight is exactly N:M; raises
+            RuntimeError naming the layer and weight otherwise.
+
+    Logs (added to `logs` at each epoch end, so History/CSVLogger/TensorBoard see them):
+        `sparsity` (fraction of zeros over all pruned weights) and `sparse24_valid` (1.0 or 0.0).
+
+    Example:
+        >>> model.fit(x, y, epochs=3, callbacks=[Sparse24Callback()])
+    """
+
+    def __init__(
+        self,
+        start_step: int | None = None,
+        update_every: int | None = None,
+        method: str = "magnitude",
+        check: bool = True,
+    ):
+        super().__init__()
+        for name, value in (("start_step", start_step), ("update_every", update_every)):
+            if value is not None and (not isinstance(value, int) or value < (name == "update_every")):
+                raise ValueError(f"{name} must be None or an int >= {int(name == 'update_every')}. Received: {name}={value!r}")
+        self.start_step = start_step
+        self.update_every = update_every
+        self.method = method
+        self.check = check
+        self._layers = []
+        self._step = None
+
+    def on_train_begin(self, logs=None):
+        self._layers = pruned_layers(self.model)
+        if not self._layers:
+            raise ValueError(
+                f"Sparse24Callback: model {self.model.name!r} has no Sparse24 layers; "
+                "call tf_sparse24.prune(model) first."
+            )
+        self._step = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._step is None:  # first epoch of this fit(): find where training resumes
+            steps = (self.params or {}).get("steps") or 0
+            self._step = max(int(self.model.optimizer.iterations), epoch * steps)
+            if self.start_step is not None and self._step < self.start_step:
+                for layer in self._layers:
+                    for pw in layer.pruned_weights:
+                        pw.mask.assign(np.ones(pw.mask.shape, pw.mask.dtype))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step, start = self._step, self.start_step or 0
+        due = step == self.start_step or (
+            self.update_every and step > start and (step - start) % self.update_every == 0
+        )
+        if due:
+            for layer in self._layers:
+                layer.update_masks(self.method)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        total = zeros = 0
+        valid = True
+        warm = self.start_step is not None and self._step <= self.start_step
+        for layer in self._layers:
+            for pw in layer.pruned_weights:
+                w = layer.effective_weight(pw)
+                total += int(np.prod(w.shape))
+                zeros += int(np.size(w) - np.count_nonzero(w))
+                ok = is_nm_sparse(w, pw.pattern, pw.axis)
+                valid &= ok
+                if self.check and not ok and not warm:
+                    raise RuntimeError(
+                        f"Sparse24Callback: effective weight {layer.name}/{pw.name} "
+                        f"{tuple(pw.variable.shape)} is not {pw.pattern} along axis {pw.axis} "
+                        f"after epoch {epoch}."
+                    )
+        if logs is not None:
+            logs["sparsity"] = zeros / total if total else 0.0
+            logs["sparse24_valid"] = float(valid)

@@ -1,0 +1,162 @@
+"""N:M structured-sparsity masks in pure TensorFlow ops.
+
+"N:M" keeps N of every M consecutive weights along a grouping axis (the paper's notation: "2:4"
+keeps 2 of 4). apex ASP's `m4n2` and tfmot's `m_by_n=(2, 4)` ("2 zeros out of 4") name the same
+pattern from the other side; we follow the paper.
+
+A mask algorithm is a small pure function over a `[groups, M]` view of the weight, reached through
+the `MASK_METHODS` registry.
+
+Tie rule (deterministic): within a group, elements are ranked by magnitude, and among equal
+magnitudes the element with the lower index along the grouping axis ranks higher. So
+`[1, -1, 1, 1]` under 2:4 keeps positions 0 and 1.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+_PATTERN_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+def parse_pattern(pattern: str) -> tuple[int, int]:
+    """Parses an "N:M" pattern string (keep N of every M) into `(N, M)`.
+
+    Raises:
+        ValueError: if the string is not "N:M" with integers 0 < N < M.
+
+    Example:
+        >>> parse_pattern("2:4")
+        (2, 4)
+    """
+    match = _PATTERN_RE.match(pattern) if isinstance(pattern, str) else None
+    if match is None:
+        raise ValueError(
+            f'Expected a pattern string "N:M" (keep N of every M), e.g. "2:4". Received: '
+            f"pattern={pattern!r}"
+        )
+    n, m = int(match.group(1)), int(match.group(2))
+    if not 0 < n < m:
+        raise ValueError(f"Expected a pattern N:M with 0 < N < M. Received: pattern={pattern!r}")
+    return n, m
+
+
+def magnitude_mask(groups: tf.Tensor, n: int) -> tf.Tensor:
+    """Keeps the `n` largest-magnitude elements of every group of `groups` `[G, M, P]`.
+
+    The in-group position is axis 1 (a `[groups, M]` view with a trailing axis P, so no transpose
+    is needed). Element i is kept when fewer than `n` elements of its group beat it, where j beats
+    i if `|w_j| > |w_i|`, or `|w_j| == |w_i|` and `j < i` (lower index wins ties). M is small, so
+    the M(M-1)/2 pairwise comparisons are cheaper than a sort and vectorize well.
+
+    Returns:
+        A boolean tensor shaped like `groups`.
+    """
+    mag = tf.unstack(tf.abs(groups), axis=1)
+    beaten_by = [tf.zeros_like(mag[0], dtype=tf.int8) for _ in mag]
+    for i in range(len(mag)):
+        for j in range(i + 1, len(mag)):
+            i_wins = tf.cast(mag[i] >= mag[j], tf.int8)
+            beaten_by[j] += i_wins
+            beaten_by[i] += 1 - i_wins
+    return tf.stack([count < n for count in beaten_by], axis=1)
+
+
+MASK_METHODS: dict[str, Callable[[tf.Tensor, int], tf.Tensor]] = {"magnitude": magnitude_mask}
+
+
+def _mask_method(method: str) -> Callable[[tf.Tensor, int], tf.Tensor]:
+    if method not in MASK_METHODS:
+        raise ValueError(
+            f"Unknown mask method. Expected one of {sorted(MASK_METHODS)}. Received: method={method!r}"
+        )
+    return MASK_METHODS[method]
+
+
+def _weight_name(weight, name: str | None) -> str:
+    return name or getattr(weight, "path", None) or getattr(weight, "name", None) or "<tensor>"
+
+
+def _groups_view(w: tf.Tensor, m: int, axis: int, label: str) -> tf.Tensor:
+    """Reshapes `w` to `[G, M, P]`: M consecutive elements along `axis` form axis 1."""
+    shape = list(w.shape)
+    rank = len(shape)
+    if rank == 0 or not -rank <= axis < rank:
+        raise ValueError(f"Axis {axis} is out of range for weight {label} with shape {tuple(shape)}.")
+    axis %= rank
+    if shape[axis] % m:
+        raise ValueError(
+            f"Weight {label} with shape {tuple(shape)} has {shape[axis]} elements along axis "
+            f"{axis}, not a multiple of M={m}: it cannot be grouped."
+        )
+    before = int(np.prod(shape[:axis], dtype=np.int64))
+    after = int(np.prod(shape[axis + 1 :], dtype=np.int64))
+    return tf.reshape(w, [before * (shape[axis] // m), m, after])
+
+
+@tf.function(reduce_retracing=True, autograph=False)
+def _keep_and_finite(groups: tf.Tensor, n: int, method: Callable) -> tuple[tf.Tensor, tf.Tensor]:
+    finite = tf.reduce_all(tf.math.is_finite(groups)) if groups.dtype.is_floating else True
+    return method(groups, n), finite
+
+
+def compute_mask(
+    weight,
+    pattern: str = "2:4",
+    axis: int = 0,
+    method: str = "magnitude",
+    *,
+    name: str | None = None,
+) -> tf.Tensor:
+    """Computes an N:M mask for `weight` along `axis` (groups of M consecutive elements).
+
+    Args:
+        weight: a tensor or variable of any rank.
+        pattern: "N:M", keep N of every M.
+        axis: grouping axis (the layer's reduction axis, see DESIGN.md contract 1).
+        method: a key of `MASK_METHODS`.
+        name: name used in error messages (defaults to the variable's path).
+
+    Returns:
+        A 0/1 tensor with the weight's shape and dtype.
+
+    Raises:
+        ValueError: bad pattern or method, `shape[axis] % M != 0`, or NaN/Inf weights (eager; in a
+            graph a NaN/Inf raises `tf.errors.InvalidArgumentError` naming the weight).
+
+    Example:
+        >>> compute_mask(tf.constant([[4.0], [1.0], [-3.0], [2.0]])).numpy().ravel()
+        array([1., 0., 1., 0.], dtype=float32)
+    """
+    n, m = parse_pattern(pattern)
+    fn = _mask_method(method)
+    w = tf.convert_to_tensor(weight)
+    label = _weight_name(weight, name)
+    groups = _groups_view(w, m, axis, label)
+    keep, finite = _keep_and_finite(groups, n, fn)
+    if tf.executing_eagerly():
+        if not bool(finite):
+            bad = int(tf.reduce_sum(tf.cast(~tf.math.is_finite(w), tf.int64)))
+            raise ValueError(
+                f"Weight {label} with shape {tuple(w.shape)} contains {bad} NaN/Inf value(s); "
+                "cannot compute a magnitude mask."
+            )
+    else:
+        check = tf.debugging.Assert(finite, [f"Weight {label} contains NaN/Inf"])
+        with tf.control_dependencies([check]):
+            keep = tf.identity(keep)
+    return tf.reshape(tf.cast(keep, w.dtype), w.shape)
+
+
+def is_nm_sparse(weight, pattern: str = "2:4", axis: int = 0) -> bool:
+    """True if every group of M consecutive elements along `axis` has at most N non-zeros."""
+    n, m = parse_pattern(pattern)
+    w = tf.convert_to_tensor(weight)
+    groups = _groups_view(w, m, axis, _weight_name(weight, None))
+    nonzeros = tf.reduce_sum(tf.cast(groups != 0, tf.int32), axis=1)
+    return bool(tf.reduce_all(nonzeros <= n))
+

@@ -1,0 +1,302 @@
+"""Model-level pruning: `prune`, `strip`, `report`, `pruned_layers`.
+
+`prune()` never alters the caller's model: it returns a new model whose prunable layers are wrapped
+in `Sparse24` with magnitude masks computed from the trained weights.
+
+- Sequential and Functional models (nested models and shared layers included) are cloned with
+  `keras.models.clone_model`; each layer's weights are copied, and eligible layers are wrapped.
+- Subclassed models cannot be rewired from outside (their `call` names the layers), so they opt in
+  by wrapping their prunable layers in `Sparse24` in `__init__` (masks start as ones: the model
+  trains dense). `prune()` then returns a copy made with `get_config()` / `from_config()` (Keras
+  captures simple constructor arguments automatically) whose wrappers hold magnitude masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable
+
+import keras
+import numpy as np
+
+from tf_sparse24.masks import compute_mask, is_nm_sparse, parse_pattern
+from tf_sparse24.registry import eligible_weights, scan_layer
+from tf_sparse24.wrapper import Sparse24
+
+__all__ = ["prune", "strip", "report", "pruned_layers", "eligible_weights", "LayerReport"]
+
+
+def _sublayers(layer) -> list:
+    """Direct sublayers: a model's `layers`, or Layer-valued attributes of a custom layer."""
+    if isinstance(layer, keras.Model):
+        return list(layer.layers)
+    found = []
+    for value in vars(layer).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        found += [v for v in items if isinstance(v, keras.layers.Layer)]
+    return found
+
+
+def _walk(model) -> list:
+    """Every layer under `model` (depth first, each once; wrappers are not entered)."""
+    seen, out = set(), []
+
+    def visit(layer):
+        for sub in _sublayers(layer):
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+                if not isinstance(sub, Sparse24):
+                    visit(sub)
+
+    visit(model)
+    return out
+
+
+def pruned_layers(model: keras.layers.Layer) -> list[Sparse24]:
+    """All `Sparse24` wrappers in `model`, nested models and custom layers included."""
+    return [layer for layer in _walk(model) if isinstance(layer, Sparse24)]
+
+
+def _check_model(model, what: str) -> None:
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"{what}() expects a keras.Model. Received: {type(model).__name__}")
+    if not model.built:
+        raise ValueError(
+            f"{what}() needs a built model (call it on data or build it first). Received: "
+            f"unbuilt model {model.name!r}"
+        )
+
+
+def _matches(layer, selectors) -> bool:
+    return any(
+        s is layer or s == layer.name or (isinstance(s, type) and isinstance(layer, s))
+        for s in selectors
+    )
+
+
+def _check_selectors(model, selectors, arg: str) -> list:
+    selectors = list(selectors or [])
+    names = {layer.name for layer in _walk(model)}
+    unknown = [s for s in selectors if isinstance(s, str) and s not in names]
+    if unknown:
+        raise ValueError(f"{arg}: no layer named {unknown} in model {model.name!r}.")
+    return selectors
+
+
+def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
+    """Masks for every layer to prune, keyed by id(layer); validates everything first."""
+    n, m = parse_pattern(pattern)
+    layers = _check_selectors(model, layers, "layers")
+    skip = _check_selectors(model, skip, "skip")
+    plan = {}
+    for layer in _walk(model):
+        if isinstance(layer, (keras.Model, Sparse24)) or not layer.weights:
+            continue
+        if (layers and not _matches(layer, layers)) or _matches(layer, skip):
+            continue
+        eligible, _ = scan_layer(layer, m)
+        if eligible:
+            plan[id(layer)] = {
+                path: (axis, compute_mask(var, pattern, axis, method, name=f"{layer.name}/{path}"))
+                for path, var, axis in eligible
+            }
+    return plan
+
+
+def _copy_layer(layer):
+    """A fresh instance of `layer` with the same config, build and weights."""
+    new = layer.__class__.from_config(layer.get_config())
+    if layer.built and layer.weights:
+        new.build_from_config(layer.get_build_config())
+        new.set_weights(layer.get_weights())
+    return new
+
+
+def prune(
+    model: keras.Model,
+    pattern: str = "2:4",
+    *,
+    layers: Iterable | None = None,
+    skip: Iterable | None = None,
+    method: str = "magnitude",
+) -> keras.Model:
+    """Returns a copy of a trained `model` with N:M magnitude masks on every prunable layer.
+
+    The caller's model is not changed. Compile the returned model before fine-tuning it.
+
+    Args:
+        model: a built keras.Model (Sequential, Functional, or subclassed with `Sparse24` layers).
+        pattern: "N:M", keep N of every M.
+        layers: only prune these (layer names, layer objects or layer classes).
+        skip: never prune these (same forms).
+        method: mask method, a key of `tf_sparse24.masks.MASK_METHODS`.
+
+    Returns:
+        A new keras.Model.
+
+    Raises:
+        TypeError / ValueError, before anything is changed: not a model, unbuilt model, bad pattern
+        or method, unknown layer names, NaN/Inf weights (naming the layer and weight).
+
+    Example:
+        >>> pruned = tf_sparse24.prune(model)
+        >>> pruned.compile("adam", "sparse_categorical_crossentropy")
+    """
+    _check_model(model, "prune")
+    plan = _plan(model, pattern, layers, skip, method)
+    if isinstance(model, (keras.Sequential,)) or _is_functional(model):
+
+        def clone(layer):
+            new = _copy_layer(layer)
+            if id(layer) not in plan:
+                return new
+            wrapper = Sparse24(new, pattern, {p: a for p, (a, _) in plan[id(layer)].items()})
+            wrapper.build()
+            for pw in wrapper.pruned_weights:
+                pw.mask.assign(plan[id(layer)][pw.name][1])
+            return wrapper
+
+        return keras.models.clone_model(model, clone_function=clone, recursive=True)
+
+    wrappers = pruned_layers(model)
+    if not wrappers:
+        raise ValueError(
+            f"prune(): subclassed model {model.name!r} ({type(model).__name__}) has no Sparse24 "
+            "layers. Wrap its prunable layers with tf_sparse24.Sparse24 in __init__ (see "
+            "docs/USAGE.md), or build it as a Sequential/Functional model."
+        )
+    masks = [
+        [compute_mask(pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path) for pw in w.pruned_weights]
+        for w in wrappers
+        if (not layers or _matches(w, layers)) and not _matches(w, skip or [])
+    ]
+    copy = _copy_model(model)
+    selected = [
+        w for w in pruned_layers(copy) if (not layers or _matches(w, layers)) and not _matches(w, skip or [])
+    ]
+    for wrapper, wrapper_masks in zip(selected, masks):
+        for pw, mask in zip(wrapper.pruned_weights, wrapper_masks):
+            pw.mask.assign(mask)
+    return copy
+
+
+def _is_functional(model) -> bool:
+    """Functional (including nested) models, whose graph `clone_model` can rebuild."""
+    return hasattr(model, "_run_through_graph") and not isinstance(model, keras.Sequential)
+
+
+def _copy_model(model: keras.Model) -> keras.Model:
+    try:
+        copy = model.__class__.from_config(model.get_config())
+    except Exception as err:  # noqa: BLE001 - any failure means "not copyable"; say how to fix
+        raise TypeError(
+            f"Cannot copy subclassed model {model.name!r} ({type(model).__name__}) with "
+            f"get_config()/from_config(): {err}. Implement get_config(), or prune in place with "
+            "`for layer in tf_sparse24.pruned_layers(model): layer.update_masks()`."
+        ) from err
+    copy.build_from_config(model.get_build_config())
+    copy.set_weights(model.get_weights())
+    return copy
+
+
+def strip(model: keras.Model) -> keras.Model:
+    """Returns a plain Keras model (no wrappers) holding the exact N:M effective weights.
+
+    Raises:
+        TypeError: for a subclassed model (its `call` names the wrappers; export it instead).
+    """
+    _check_model(model, "strip")
+    if not (isinstance(model, keras.Sequential) or _is_functional(model)):
+        raise TypeError(
+            f"strip() supports Sequential and Functional models. Received subclassed model "
+            f"{model.name!r} ({type(model).__name__}); export it with tf_sparse24.export instead."
+        )
+
+    def clone(layer):
+        if not isinstance(layer, Sparse24):
+            return _copy_layer(layer)
+        new = _copy_layer(layer.layer)
+        effective = {id(pw.variable): layer.effective_weight(pw) for pw in layer.pruned_weights}
+        new.set_weights(
+            [np.asarray(effective.get(id(v), v)) for v in layer.layer.weights]
+        )
+        return new
+
+    return keras.models.clone_model(model, clone_function=clone, recursive=True)
+
+
+@dataclasses.dataclass
+class LayerReport:
+    """One row of `report()`."""
+
+    layer: str
+    kind: str
+    status: str  # "pruned" or "skipped"
+    reason: str
+    params: int  # elements of the pruned (or prunable-kind) weights
+    nonzeros: int
+    valid: bool | None  # effective weights are N:M (None when skipped)
+
+    @property
+    def density(self) -> float:
+        return self.nonzeros / self.params if self.params else 1.0
+
+
+def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -> list[LayerReport]:
+    """Per-layer sparsity table: pruned or skipped (and why), parameters, density, N:M validity.
+
+    Layers without weights and layers of kinds that are never pruned (e.g. BatchNormalization)
+    are left out. Pass `print_fn=None` to only return the rows.
+    """
+    _check_model(model, "report")
+    rows = []
+    for layer in _walk(model):
+        if isinstance(layer, keras.Model):
+            continue
+        if isinstance(layer, Sparse24):
+            effective = [(pw, layer.effective_weight(pw)) for pw in layer.pruned_weights]
+            rows.append(
+                LayerReport(
+                    layer=layer.name,
+                    kind=type(layer.layer).__name__,
+                    status="pruned",
+                    reason=f"{layer.pattern}: " + ", ".join(pw.name for pw, _ in effective),
+                    params=sum(int(np.prod(pw.variable.shape)) for pw, _ in effective),
+                    nonzeros=sum(int(np.count_nonzero(w)) for _, w in effective),
+                    valid=all(is_nm_sparse(w, pw.pattern, pw.axis) for pw, w in effective),
+                )
+            )
+        elif layer.weights:
+            _, reasons = scan_layer(layer, 4)
+            if reasons:
+                params = sum(int(np.prod(v.shape)) for v in layer.weights if v.ndim >= 2)
+                rows.append(
+                    LayerReport(layer.name, type(layer).__name__, "skipped", "; ".join(reasons),
+                                params, params, None)
+                )
+    if print_fn is not None:
+        print_fn(format_report(rows))
+    return rows
+
+
+def format_report(rows: list[LayerReport]) -> str:
+    """Renders `report()` rows as an aligned text table with a total line."""
+    header = ("layer", "type", "status", "params", "density", "N:M ok", "detail")
+    lines = [
+        (r.layer, r.kind, r.status, f"{r.params:,}", f"{r.density:.3f}",
+         "-" if r.valid is None else ("yes" if r.valid else "NO"), r.reason)
+        for r in rows
+    ]
+    pruned = [r for r in rows if r.status == "pruned"]
+    total_params = sum(r.params for r in pruned)
+    total_nnz = sum(r.nonzeros for r in pruned)
+    lines.append(
+        ("total pruned", "", f"{len(pruned)} layers", f"{total_params:,}",
+         f"{total_nnz / total_params:.3f}" if total_params else "-",
+         "yes" if all(r.valid for r in pruned) else "NO", "")
+    )
+    widths = [max(len(str(x[i])) for x in [header, *lines]) for i in range(len(header))]
+    fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+    rule = "-" * len(fmt(header))
+    return "\n".join([fmt(header), rule, *map(fmt, lines[:-1]), rule, fmt(lines[-1])])

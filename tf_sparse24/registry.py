@@ -1,0 +1,151 @@
+"""Which weights of which Keras layers are prunable, and along which axis (DESIGN.md contract 1).
+
+The registry is data: `PRUNABLE_WEIGHTS` maps a layer class to `{relative variable path: grouping
+axis}`. A path matches a variable whose path relative to the layer ends with it ("kernel" matches
+an LSTM's "lstm_cell/kernel"). Layers outside the registry can opt in with the `PrunableLayer`
+protocol: a `get_prunable_weights()` method returning variables (grouped along axis `ndim - 2`, the
+input axis of Keras' kernel layout) or `(variable, axis)` pairs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol, runtime_checkable
+
+import keras
+
+from tf_sparse24.masks import parse_pattern
+
+L = keras.layers
+
+PRUNABLE_WEIGHTS: dict[type, dict[str, int]] = {
+    L.Dense: {"kernel": 0},
+    L.Conv1D: {"kernel": -2},
+    L.Conv2D: {"kernel": -2},
+    L.Conv3D: {"kernel": -2},
+    L.SeparableConv1D: {"pointwise_kernel": -2},
+    L.SeparableConv2D: {"pointwise_kernel": -2},
+    L.MultiHeadAttention: {
+        "query/kernel": 0,
+        "key/kernel": 0,
+        "value/kernel": 0,
+        "attention_output/kernel": 1,
+    },
+    L.SimpleRNN: {"kernel": 0, "recurrent_kernel": 0},
+    L.GRU: {"kernel": 0, "recurrent_kernel": 0},
+    L.LSTM: {"kernel": 0, "recurrent_kernel": 0},
+}
+
+# Layers skipped on purpose, with the reason shown by `report()`.
+SKIP_REASONS: dict[type, str] = {
+    L.DepthwiseConv1D: "depthwise kernel: no reduction over input channels to group",
+    L.DepthwiseConv2D: "depthwise kernel: no reduction over input channels to group",
+    L.Conv1DTranspose: "transposed conv kernels are [..., out, in]: not supported",
+    L.Conv2DTranspose: "transposed conv kernels are [..., out, in]: not supported",
+    L.Conv3DTranspose: "transposed conv kernels are [..., out, in]: not supported",
+    L.Embedding: "embedding lookup is not a matmul",
+}
+
+
+@runtime_checkable
+class PrunableLayer(Protocol):
+    """A user layer that names its prunable weights."""
+
+    def get_prunable_weights(self) -> list:  # variables or (variable, axis) pairs
+        ...
+
+
+def relative_variables(layer: keras.layers.Layer) -> dict[str, keras.Variable]:
+    """Maps each variable of `layer` to its path relative to the layer ("query/kernel")."""
+    out = {}
+    for var in layer.variables:
+        parts = var.path.split("/")
+        owners = [i for i, part in enumerate(parts[:-1]) if part == layer.name]
+        out["/".join(parts[owners[-1] + 1 :]) if owners else var.name] = var
+    return out
+
+
+def einsum_axis(equation: str, kernel_rank: int) -> int | str:
+    """Grouping axis of an EinsumDense kernel, or the reason it is not prunable.
+
+    Prunable only if the contracted kernel axes (in the input, not in the output) form a leading
+    prefix of the kernel's axes; the axis is the last contracted one.
+    """
+    match = re.match(r"^([\w.]+),(\w+)->([\w.]+)$", equation.replace(" ", ""))
+    if match is None:
+        return f"cannot parse einsum equation {equation!r}"
+    inputs, kernel, output = match.groups()
+    contracted = [i for i, c in enumerate(kernel) if c in inputs and c not in output]
+    if not contracted or contracted != list(range(len(contracted))):
+        return f"contracted kernel axes of {equation!r} are not a leading prefix"
+    return contracted[-1]
+
+
+def eligible_weights(
+    layer: keras.layers.Layer, pattern: str = "2:4"
+) -> list[tuple[str, keras.Variable, int]]:
+    """The `(relative path, variable, axis)` triples of a built, unwrapped layer to prune.
+
+    Example:
+        >>> eligible_weights(dense)  # a built Dense(8) on 16 inputs
+        [('kernel', <Variable path=dense/kernel, shape=(16, 8), ...>, 0)]
+    """
+    return scan_layer(layer, parse_pattern(pattern)[1])[0]
+
+
+def scan_layer(
+    layer: keras.layers.Layer, m: int = 4
+) -> tuple[list[tuple[str, keras.Variable, int]], list[str]]:
+    """Like `eligible_weights`, plus the reasons for every weight or layer kind skipped.
+
+    Args:
+        layer: a built Keras layer.
+        m: group size M; weights whose axis size is not a multiple of M are skipped.
+
+    Returns:
+        `(eligible, reasons)`; `reasons` is empty when the layer is simply not a prunable kind.
+    """
+    variables = relative_variables(layer)
+    if isinstance(layer, PrunableLayer):
+        named = {id(v): p for p, v in variables.items()}
+        candidates = []
+        for item in layer.get_prunable_weights():
+            var, axis = item if isinstance(item, tuple) else (item, item.ndim - 2)
+            if id(var) not in named:
+                raise ValueError(
+                    f"Layer {layer.name!r}: get_prunable_weights() returned {var.path}, which is not "
+                    "one of its own variables."
+                )
+            candidates.append((named[id(var)], var, axis))
+    elif isinstance(layer, L.EinsumDense):
+        axis = einsum_axis(layer.equation, layer.kernel.ndim)
+        if isinstance(axis, str):
+            return [], [axis]
+        candidates = [(p, v, axis) for p, v in variables.items() if v is layer.kernel]
+    else:
+        table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if type(layer) is cls), None)
+        if table is None:
+            table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if isinstance(layer, cls)), None)
+        if table is None:
+            reason = next((r for cls, r in SKIP_REASONS.items() if isinstance(layer, cls)), None)
+            return [], [reason] if reason else []
+        candidates = [
+            (p, v, axis)
+            for suffix, axis in table.items()
+            for p, v in variables.items()
+            if p == suffix or p.endswith("/" + suffix)
+        ]
+    eligible, reasons = [], []
+    for path, var, axis in candidates:
+        if var.ndim < 2:
+            reasons.append(f"{path} has rank {var.ndim}: nothing to group")
+            continue
+        axis %= var.ndim
+        if var.shape[axis] % m:
+            reasons.append(
+                f"{path} {tuple(var.shape)}: axis {axis} size {var.shape[axis]} is not a multiple "
+                f"of {m}"
+            )
+        else:
+            eligible.append((path, var, axis))
+    return eligible, reasons
