@@ -68,7 +68,8 @@ class Sparse24Callback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if self._step is None:  # first epoch of this fit(): find where training resumes
             steps = (self.params or {}).get("steps") or 0
-            self._step = max(int(self.model.optimizer.iterations), epoch * steps)
+            # .numpy(): under tf.distribute `iterations` is a MirroredVariable; int() rejects it.
+            self._step = max(int(self.model.optimizer.iterations.numpy()), epoch * steps)
             if self.start_step is not None and self._step < self.start_step:
                 for layer in self._layers:
                     for pw in layer.pruned_weights:
