@@ -1,0 +1,220 @@
+// CPU kernels of Sparse24Compress / Sparse24Decompress / Sparse24MatMul: shape and input checks,
+// then the framework-free core (cc/sparse24/) on TensorFlow's intra-op thread pool.
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include "cc/sparse24/cpu_features.h"
+#include "cc/sparse24/format.h"
+#include "cc/sparse24/spmm.h"
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace tensorflow {
+namespace {
+
+// absl::InvalidArgumentError with a message built from pieces (errors::InvalidArgument is deprecated).
+template <typename... Args>
+absl::Status InvalidArgument(const Args&... args) {
+  return absl::InvalidArgumentError(absl::StrCat(args...));
+}
+
+constexpr char kIsaEnvVar[] = "TF_SPARSE24_CPU_ISA";
+
+template <typename T>
+constexpr sparse24::DType ToDType();
+template <>
+constexpr sparse24::DType ToDType<float>() { return sparse24::DType::kFloat32; }
+template <>
+constexpr sparse24::DType ToDType<bfloat16>() { return sparse24::DType::kBFloat16; }
+template <>
+constexpr sparse24::DType ToDType<Eigen::half>() { return sparse24::DType::kFloat16; }
+
+std::string SupportedIsas() {
+  std::string names;
+  for (auto isa : {sparse24::Isa::kScalar, sparse24::Isa::kAvx2, sparse24::Isa::kAvx512}) {
+    if (!sparse24::isa_supported(isa)) continue;
+    if (!names.empty()) names += ", ";
+    names += sparse24::isa_name(isa);
+  }
+  return names;
+}
+
+// The variant asked for by TF_SPARSE24_CPU_ISA (unset or empty: auto), checked against this CPU.
+absl::Status RequestedIsa(sparse24::Isa* isa) {
+  const char* name = std::getenv(kIsaEnvVar);
+  if (name == nullptr || name[0] == '\0') name = "auto";
+  if (!sparse24::parse_isa(name, isa)) {
+    return InvalidArgument(kIsaEnvVar, "='", name,
+                                   "' is not a CPU kernel variant; use auto, scalar, avx2 or avx512");
+  }
+  if (!sparse24::isa_supported(*isa)) {
+    return InvalidArgument(kIsaEnvVar, "=", name, " asks for a kernel variant this CPU ",
+                                   "cannot run; it supports: ", SupportedIsas());
+  }
+  return absl::OkStatus();
+}
+
+sparse24::ParallelFor PoolParallelFor(OpKernelContext* ctx) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [workers](int64_t total, int64_t cost_per_unit,
+                   const std::function<void(int64_t, int64_t)>& fn) {
+    workers->ParallelFor(
+        total, tsl::thread::ThreadPool::SchedulingParams::Adaptive(cost_per_unit), fn);
+  };
+}
+
+// Shared checks of (values [N, K/2], meta [N, ceil(K/8)]) for a given K.
+absl::Status CheckCompressed(const Tensor& values, const Tensor& meta, int64_t k) {
+  if (k % 4 != 0) {
+    return InvalidArgument("K (the reduction size) must be a multiple of 4, got K=", k);
+  }
+  if (values.dims() != 2 || meta.dims() != 2) {
+    return InvalidArgument("values and meta must be 2-D [N, K/2] and [N, ceil(K/8)], got ",
+                                   values.shape().DebugString(), " and ",
+                                   meta.shape().DebugString());
+  }
+  const int64_t n = values.dim_size(0);
+  if (values.dim_size(1) != k / 2 || meta.dim_size(0) != n ||
+      meta.dim_size(1) != sparse24::meta_cols(k)) {
+    return InvalidArgument("for K=", k, " values must be [N, ", k / 2, "] and meta [N, ",
+                                   sparse24::meta_cols(k), "] with the same N, got values ",
+                                   values.shape().DebugString(), " and meta ",
+                                   meta.shape().DebugString());
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+class Sparse24CompressOp : public OpKernel {
+ public:
+  explicit Sparse24CompressOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& dense = ctx->input(0);
+    OP_REQUIRES(ctx, dense.dims() == 2,
+                InvalidArgument("Sparse24Compress expects a 2-D [K, N] matrix, got shape ",
+                                        dense.shape().DebugString()));
+    const int64_t k = dense.dim_size(0), n = dense.dim_size(1);
+    OP_REQUIRES(ctx, k % 4 == 0,
+                InvalidArgument("Sparse24Compress: K (rows) must be a multiple of 4, got ",
+                                        "shape ", dense.shape().DebugString()));
+    Tensor* values = nullptr;
+    Tensor* meta = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, k / 2}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, sparse24::meta_cols(k)}), &meta));
+    if (k == 0 || n == 0) return;
+    const std::string error =
+        sparse24::compress(ToDType<T>(), dense.flat<T>().data(), k, n, values->flat<T>().data(),
+                           meta->flat<uint8_t>().data());
+    OP_REQUIRES(ctx, error.empty(), InvalidArgument("Sparse24Compress: ", error));
+  }
+};
+
+template <typename T>
+class Sparse24DecompressOp : public OpKernel {
+ public:
+  explicit Sparse24DecompressOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& values = ctx->input(0);
+    const Tensor& meta = ctx->input(1);
+    OP_REQUIRES_OK(ctx, CheckCompressed(values, meta, k_));
+    const int64_t n = values.dim_size(0);
+    Tensor* dense = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k_, n}), &dense));
+    if (k_ == 0 || n == 0) return;
+    const std::string error =
+        sparse24::decompress(ToDType<T>(), values.flat<T>().data(), meta.flat<uint8_t>().data(), k_,
+                             n, dense->flat<T>().data());
+    OP_REQUIRES(ctx, error.empty(), InvalidArgument("Sparse24Decompress: ", error));
+  }
+
+ private:
+  int64_t k_;
+};
+
+template <typename T>
+class Sparse24MatMulOp : public OpKernel {
+ public:
+  explicit Sparse24MatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& values = ctx->input(1);
+    const Tensor& meta = ctx->input(2);
+    OP_REQUIRES(ctx, x.dims() >= 1,
+                InvalidArgument("Sparse24MatMul: x must be [..., K], got a scalar"));
+    const int64_t k = x.dim_size(x.dims() - 1);
+    OP_REQUIRES_OK(ctx, CheckCompressed(values, meta, k));
+    sparse24::Isa isa;
+    OP_REQUIRES_OK(ctx, RequestedIsa(&isa));
+    const int64_t n = values.dim_size(0), m = x.NumElements() / std::max<int64_t>(k, 1);
+    TensorShape y_shape = x.shape();
+    y_shape.set_dim(x.dims() - 1, n);
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y_shape, &y));
+    if (y->NumElements() == 0) return;
+    const uint8_t* meta_data = meta.flat<uint8_t>().data();
+    const sparse24::ParallelFor parallel_for = PoolParallelFor(ctx);
+    // Meta validation: one O(N * K/8) pass over the meta bytes, rows in parallel; the exact
+    // message (first bad row and group) comes from a sequential re-check only on failure.
+    std::atomic<bool> meta_ok{true};
+    parallel_for(n, k / 8 + 1, [&](int64_t r0, int64_t r1) {
+      if (!sparse24::validate_meta(meta_data, k, r0, r1).empty()) meta_ok = false;
+    });
+    if (!meta_ok) {
+      ctx->CtxFailure(InvalidArgument(
+          "Sparse24MatMul: ", sparse24::validate_meta(meta_data, k, 0, n)));
+      return;
+    }
+    sparse24::SpmmArgs args;
+    args.dtype = ToDType<T>();
+    args.x = x.flat<T>().data();
+    args.ldx = k;
+    args.values = values.flat<T>().data();
+    args.meta = meta_data;
+    args.M = m;
+    args.K = k;
+    args.N = n;
+    args.y = y->flat<T>().data();
+    args.ldy = n;
+    sparse24::spmm(args, isa, parallel_for);  // NaN/inf in x propagate as in a dense matmul
+  }
+};
+
+#define REGISTER_CPU(T)                                                                     \
+  REGISTER_KERNEL_BUILDER(Name("Sparse24Compress").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          Sparse24CompressOp<T>);                                           \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name("Sparse24Decompress").Device(DEVICE_CPU).TypeConstraint<T>("T"),                 \
+      Sparse24DecompressOp<T>);                                                             \
+  REGISTER_KERNEL_BUILDER(Name("Sparse24MatMul").Device(DEVICE_CPU).TypeConstraint<T>("T"),   \
+                          Sparse24MatMulOp<T>);
+
+REGISTER_CPU(float);
+REGISTER_CPU(bfloat16);
+REGISTER_CPU(Eigen::half);
+#undef REGISTER_CPU
+
+}  // namespace
+}  // namespace tensorflow
+
+// Plain C entry points for tf_sparse24.ops (ctypes): which CPU kernel variants this machine runs.
+extern "C" {
+
+// The variant `auto` resolves to: "scalar", "avx2" or "avx512".
+const char* tf_sparse24_best_cpu_isa() { return sparse24::isa_name(sparse24::best_isa()); }
+
+// 1 if `name` is a variant this CPU can run, 0 if not, -1 if `name` is not a variant.
+int tf_sparse24_cpu_isa_supported(const char* name) {
+  sparse24::Isa isa;
+  if (!sparse24::parse_isa(name, &isa)) return -1;
+  return sparse24::isa_supported(isa) ? 1 : 0;
+}
+
+}  // extern "C"
