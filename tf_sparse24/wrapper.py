@@ -86,6 +86,7 @@ class Sparse24(keras.layers.Wrapper):
                 trainable=False,
                 autocast=False,
             )
+            setattr(self, mask.name, mask)  # an attribute, so tf.train.Checkpoint tracks it too
             self.pruned_weights.append(PrunedWeight(path, var, mask, axis % var.ndim, self.pattern))
         self.built = True
 
