@@ -99,7 +99,10 @@ def _groups_view(w: tf.Tensor, m: int, axis: int, label: str) -> tf.Tensor:
 
 
 @tf.function(reduce_retracing=True, autograph=False)
-def _keep_and_finite(groups: tf.Tensor, n: int, method: Callable) -> tuple[tf.Tensor, tf.Tensor]:
+def _keep_and_finite(
+    groups: tf.Tensor, n: int, m: int, method: Callable
+) -> tuple[tf.Tensor, tf.Tensor]:
+    groups = tf.ensure_shape(groups, [None, m, None])  # retracing relaxes shapes; M stays static
     finite = tf.reduce_all(tf.math.is_finite(groups)) if groups.dtype.is_floating else True
     return method(groups, n), finite
 
@@ -137,7 +140,7 @@ def compute_mask(
     w = tf.convert_to_tensor(weight)
     label = _weight_name(weight, name)
     groups = _groups_view(w, m, axis, label)
-    keep, finite = _keep_and_finite(groups, n, fn)
+    keep, finite = _keep_and_finite(groups, n, m, fn)
     if tf.executing_eagerly():
         if not bool(finite):
             bad = int(tf.reduce_sum(tf.cast(~tf.math.is_finite(w), tf.int64)))

@@ -1,0 +1,125 @@
+"""N:M masks against an independent numpy float64 reference."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tf_sparse24.masks import MASK_METHODS, compute_mask, is_nm_sparse, parse_pattern
+
+
+def reference_mask(w: np.ndarray, n: int, m: int, axis: int) -> np.ndarray:
+    """Keep the n largest |w| of each group of m along axis; ties -> lower index (stable sort)."""
+    moved = np.moveaxis(np.asarray(w, np.float64), axis, -1)
+    groups = np.abs(moved.reshape(-1, m))
+    order = np.argsort(-groups, axis=1, kind="stable")[:, :n]
+    keep = np.zeros(groups.shape, bool)
+    np.put_along_axis(keep, order, True, axis=1)
+    return np.moveaxis(keep.reshape(moved.shape), -1, axis)
+
+
+@st.composite
+def weights_and_pattern(draw):
+    m = draw(st.integers(2, 8))
+    n = draw(st.integers(1, m - 1))
+    rank = draw(st.integers(1, 4))
+    axis = draw(st.integers(-rank, rank - 1))
+    shape = [draw(st.integers(1, 4)) for _ in range(rank)]
+    shape[axis] = m * draw(st.integers(1, 3))
+    # Few distinct values (some negative) so ties and equal magnitudes of opposite sign are common.
+    values = draw(st.sampled_from([[-2.0, -1.0, 0.0, 1.0, 2.0], [0.5, -0.5], None]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    if values is None:
+        w = rng.normal(size=shape)
+    else:
+        w = rng.choice(values, size=shape)
+    dtype = draw(st.sampled_from([np.float32, np.float16, np.float64]))
+    return w.astype(dtype), n, m, axis
+
+
+@settings(max_examples=30, deadline=None)
+@given(weights_and_pattern())
+def test_mask_matches_numpy_reference(case):
+    w, n, m, axis = case
+    mask = compute_mask(tf.constant(w), f"{n}:{m}", axis=axis).numpy()
+    assert mask.dtype == w.dtype and mask.shape == w.shape
+    np.testing.assert_array_equal(mask.astype(bool), reference_mask(w, n, m, axis))
+    assert is_nm_sparse(w * mask, f"{n}:{m}", axis)
+
+
+def test_tie_rule_keeps_lower_index():
+    w = tf.constant([1.0, -1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 3.0])
+    np.testing.assert_array_equal(compute_mask(w).numpy(), [1, 1, 0, 0, 1, 0, 0, 1])
+
+
+def test_conv_kernel_groups_along_input_channels():
+    w = np.random.default_rng(0).normal(size=(3, 3, 8, 5)).astype(np.float32)
+    mask = compute_mask(w, "2:4", axis=2).numpy()
+    per_group = mask.reshape(3, 3, 2, 4, 5).sum(axis=3)
+    np.testing.assert_array_equal(per_group, 2)
+
+
+def test_mask_in_tf_function_matches_eager():
+    w = tf.random.stateless_normal([16, 6], seed=[1, 2])
+    graph = tf.function(lambda t: compute_mask(t, "1:4"))(w)
+    np.testing.assert_array_equal(graph.numpy(), compute_mask(w, "1:4").numpy())
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weight_names_the_weight(bad):
+    w = np.ones((8, 2), np.float32)
+    w[5, 1] = bad
+    with pytest.raises(ValueError, match=r"dense_7/kernel.*NaN/Inf"):
+        compute_mask(w, name="dense_7/kernel")
+
+
+def test_non_finite_in_graph_raises():
+    fn = tf.function(lambda t: compute_mask(t, name="layer/kernel"))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="layer/kernel"):
+        fn(tf.constant([1.0, np.nan, 0.0, 2.0]))
+
+
+@pytest.mark.parametrize("pattern", ["4:2", "2:2", "0:4", "2-4", "", "a:b", None, 24])
+def test_invalid_pattern_says_what_was_received(pattern):
+    with pytest.raises(ValueError, match="Received: pattern="):
+        parse_pattern(pattern)
+
+
+def test_parse_pattern():
+    assert parse_pattern("2:4") == (2, 4)
+    assert parse_pattern(" 1 : 8 ") == (1, 8)
+
+
+def test_axis_not_multiple_of_m():
+    with pytest.raises(ValueError, match=r"shape \(6, 3\).*not a multiple of M=4"):
+        compute_mask(np.ones((6, 3), np.float32), axis=0)
+    with pytest.raises(ValueError, match="out of range"):
+        compute_mask(np.ones((8, 4), np.float32), axis=2)
+
+
+def test_unknown_method_lists_valid_names():
+    with pytest.raises(ValueError, match=r"\['magnitude'\].*Received: method='random'"):
+        compute_mask(np.ones((4, 4), np.float32), method="random")
+
+
+def test_registry_accepts_new_method():
+    def keep_first(groups, n):
+        positions = tf.range(groups.shape[1])[None, :, None]
+        return tf.broadcast_to(positions < n, tf.shape(groups))
+
+    MASK_METHODS["first"] = keep_first
+    try:
+        mask = compute_mask(np.arange(8, dtype=np.float32).reshape(8, 1), method="first")
+    finally:
+        del MASK_METHODS["first"]
+    np.testing.assert_array_equal(mask.numpy().ravel(), [1, 1, 0, 0, 1, 1, 0, 0])
+
+
+def test_is_nm_sparse():
+    assert is_nm_sparse(np.array([1.0, 0, 0, 2, 0, 0, 0, 0]))
+    assert not is_nm_sparse(np.array([1.0, 1, 1, 0]))
+    assert is_nm_sparse(np.array([1.0, 1, 1, 0]), "3:4")
+    w = np.zeros((4, 4), np.float32)
+    w[0, :3] = 1  # three non-zeros in a row: fine along axis 0, not along axis 1
+    assert is_nm_sparse(w, axis=0) and not is_nm_sparse(w, axis=1)
