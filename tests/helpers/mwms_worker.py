@@ -29,7 +29,8 @@ def main(out: str, epochs: int, seed: int) -> None:
     x, y = scenario.data()
     with strategy.scope():
         model = tf_sparse24.prune(scenario.dense_model(seed=seed))
-        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9))  # model.optimizer, as fit() has it
+        optimizer = model.optimizer
         optimizer.build(model.trainable_variables)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
