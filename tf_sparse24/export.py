@@ -102,6 +102,8 @@ def export(
     export_dir = os.path.abspath(os.fspath(export_dir))
     if os.path.exists(export_dir) and not overwrite:
         raise FileExistsError(f"{export_dir} exists; pass overwrite=True to replace it")
+    if isinstance(model, keras.Sequential) and _is_functional(model):
+        model = keras.Model(model.inputs, model.outputs, name=model.name)  # a view, same layers
     specs = _input_specs(model, input_signature)
     sparse = _sparse_weights(model)
     if not sparse:
@@ -268,40 +270,30 @@ def _compress(name: str, value: np.ndarray, axis: int) -> tuple[np.ndarray, np.n
 
 def _sparse_weights(model: keras.Model) -> list[_Sparse]:
     """The pruned weights of all wrappers, then the exactly-2:4 eligible kernels of plain layers."""
-    from tf_sparse24.prune import eligible_weights, pruned_layers  # noqa: PLC0415
+    from tf_sparse24.registry import eligible_weights  # noqa: PLC0415
     from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
 
+    layers = list(_walk_layers(model))
+    wrapped = {id(layer.layer) for layer in layers if isinstance(layer, Sparse24)}
     found: list[_Sparse] = []
-    for wrapper in pruned_layers(model):
-        for pw in wrapper.pruned_weights:
-            value = keras.ops.convert_to_numpy(wrapper.effective_weight(pw))
-            values, meta = _compress(pw.variable.path, value, pw.axis)
-            found.append(
-                _Sparse(pw.variable.path, wrapper.layer, pw.variable, pw.mask, pw.axis, pw.pattern,
-                        values, meta)
-            )
-    for layer in _walk_layers(model):
-        if isinstance(layer, (Sparse24, keras.Model)) or any(
-            layer is s.layer for s in found
-        ):
-            continue
-        for _, variable, axis in _eligible(eligible_weights, layer):
-            value = keras.ops.convert_to_numpy(variable)
-            try:
-                values, meta = fmt.compress(fmt.to_2d(value, axis))
-            except ValueError:
-                continue  # a dense kernel: stored as is
-            found.append(_Sparse(variable.path, layer, variable, None, axis, "2:4", values, meta))
+    for layer in layers:
+        if isinstance(layer, Sparse24):
+            for pw in layer.pruned_weights:
+                value = keras.ops.convert_to_numpy(layer.effective_weight(pw))
+                values, meta = _compress(pw.variable.path, value, pw.axis)
+                found.append(_Sparse(pw.variable.path, layer.layer, pw.variable, pw.mask,
+                                     pw.axis % value.ndim, pw.pattern, values, meta))
+        elif id(layer) not in wrapped and not isinstance(layer, keras.Model):
+            for _, variable, axis in eligible_weights(layer):
+                value = variable.numpy()
+                try:
+                    values, meta = fmt.compress(fmt.to_2d(value, axis))
+                except ValueError:
+                    continue  # not 2:4 (a dense kernel): stored as is
+                found.append(_Sparse(variable.path, layer, variable, None, axis % value.ndim,
+                                     "2:4", values, meta))
     _dedupe_names(found)
     return found
-
-
-def _eligible(eligible_weights, layer) -> list[tuple[str, keras.Variable, int]]:
-    try:
-        result = eligible_weights(layer)
-    except (ValueError, TypeError):
-        return []  # not prunable (the registry gives the reason; export stores it dense)
-    return [item for item in result if isinstance(item, tuple) and len(item) == 3]
 
 
 def _dedupe_names(items: list) -> None:
@@ -332,15 +324,19 @@ def _input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
             "input_signature=[tf.TensorSpec(shape, dtype, name=...), ...]"
         ) from e
     return [
-        tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=_identifier(t.name, f"input_{i}"))
+        tf.TensorSpec([None, *t.shape[1:]], t.dtype,
+                      name=_identifier(t.name, "inputs" if len(inputs) == 1 else f"input_{i}"))
         for i, t in enumerate(inputs)
     ]
 
 
 def _identifier(name: str | None, default: str) -> str:
-    """A signature key: TF Serving and saved_model_cli need [A-Za-z0-9_] names."""
+    """A stable signature key: [A-Za-z0-9_] (TF Serving, saved_model_cli); Keras' automatic
+    `keras_tensor_<n>` names depend on creation order, so they fall back to `default`."""
     name = re.sub(r"[^A-Za-z0-9_]", "_", name or "")
-    return name if name and not name[0].isdigit() else default
+    if not name or name[0].isdigit() or re.fullmatch(r"keras_tensor(_\d+)?", name):
+        return default
+    return name
 
 
 def _output_names(model: keras.Model, outputs) -> list[str]:
@@ -388,9 +384,6 @@ def _accelerated_model(model: keras.Model, stored: dict[int, tuple], ops) -> ker
     """A Functional view of `model` (same layers, no copies) whose listed Dense layers run sparse."""
     from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
 
-    if isinstance(model, keras.Sequential):
-        model = keras.Model(model.inputs, model.outputs, name=model.name)
-
     def call_function(layer, *args, **kwargs):
         inner = layer.layer if isinstance(layer, Sparse24) else layer
         if id(inner) in stored and not kwargs:
@@ -411,7 +404,7 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
     for variable in model.variables:
         if id(variable) not in replaced and all(variable is not v for v in dense_vars):
             dense_vars.append(variable)
-    dense_values = [keras.ops.convert_to_numpy(v) for v in dense_vars]
+    dense_values = [v.numpy() for v in dense_vars]
     module.dense = [tf.Variable(value, trainable=False) for value in dense_values]
 
     kernel = {id(s.variable): "decompress" for s in sparse}
@@ -422,7 +415,7 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
             for i, s in enumerate(sparse)
             if _runs_sparse(s)
         }
-        if isinstance(model, keras.Sequential) or _is_functional(model):
+        if _is_functional(model):
             serving_model = _accelerated_model(model, stored, ops)
             kernel.update({id(s.variable): "sparse24_matmul" for s in sparse if id(s.layer) in stored})
 
@@ -472,7 +465,7 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
 def _is_functional(model: keras.Model) -> bool:
     try:
         return bool(model.inputs) and bool(model.outputs)
-    except AttributeError:
+    except (AttributeError, ValueError):
         return False
 
 

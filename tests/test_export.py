@@ -1,0 +1,381 @@
+"""Tests of tf_sparse24.export / load / verify and the stock-TF decompression.
+
+References are independent of the code under test: a numpy float64 magnitude 2:4 pruner written
+here, `tf_sparse24.format` (the numpy definition of sparse24/v1), fresh Python processes that never
+import tf_sparse24, `saved_model_cli`, and Keras' own dense `model.export`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tf_sparse24
+from tf_sparse24 import format as fmt
+from tf_sparse24 import metadata as md
+from tf_sparse24 import portable
+from tf_sparse24.export import export, graph_ops, load, nonstock_ops
+from tf_sparse24.metadata import ExportError
+from tf_sparse24.registry import eligible_weights
+from tf_sparse24.verify import describe, verify
+from tf_sparse24.wrapper import Sparse24
+
+BIN = os.path.dirname(sys.executable)
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+
+
+# --- references -----------------------------------------------------------------------------
+
+
+def prune_24(w: np.ndarray, axis: int) -> np.ndarray:
+    """Keeps the 2 largest |w| of every 4 consecutive elements along `axis` (float64 reference)."""
+    moved = np.moveaxis(np.asarray(w, np.float64), axis, -1)
+    groups = moved.reshape(*moved.shape[:-1], moved.shape[-1] // 4, 4)
+    order = np.argsort(-np.abs(groups), axis=-1, kind="stable")
+    keep = np.zeros(groups.shape, bool)
+    np.put_along_axis(keep, order[..., :2], True, axis=-1)
+    pruned = np.where(keep, groups, 0.0).reshape(moved.shape)
+    return np.moveaxis(pruned, -1, axis).astype(w.dtype)
+
+
+def prune_plain_layers(model: keras.Model) -> None:
+    """Makes every registry-eligible kernel of the model's plain layers exactly 2:4 in place."""
+    for layer in model.layers:
+        if isinstance(layer, Sparse24):
+            continue
+        for _, variable, axis in eligible_weights(layer):
+            variable.assign(prune_24(variable.numpy(), axis))
+
+
+def mixed_model(wrapped: bool = True) -> keras.Model:
+    """Conv2D -> MultiHeadAttention -> LSTM -> Dense -> Dense, some layers wrapped, all 2:4."""
+    keras.utils.set_random_seed(0)
+    wrap = Sparse24 if wrapped else (lambda layer: layer)
+    pixels = keras.Input((8, 8, 4), name="pixels")
+    x = wrap(keras.layers.Conv2D(8, 3, padding="same", name="conv"))(pixels)
+    x = keras.layers.Reshape((8, 64))(x)
+    x = wrap(keras.layers.MultiHeadAttention(2, 8, name="mha"))(x, x)
+    x = keras.layers.LSTM(16, name="lstm")(x)
+    x = keras.layers.BatchNormalization(name="norm")(x)
+    x = wrap(keras.layers.Dense(16, activation="relu", name="hidden"))(x)
+    logits = keras.layers.Dense(4, name="logits")(x)
+    model = keras.Model(pixels, logits, name="mixed")
+    for layer in model.layers:
+        if isinstance(layer, Sparse24):
+            layer.update_masks()
+    prune_plain_layers(model)
+    return model
+
+
+SPARSE_NAMES = [
+    "conv/kernel", "mha/query/kernel", "mha/key/kernel", "mha/value/kernel",
+    "mha/attention_output/kernel", "lstm/lstm_cell/kernel", "lstm/lstm_cell/recurrent_kernel",
+    "hidden/kernel", "logits/kernel",
+]  # fmt: skip
+
+
+def kernel_by_path(model: keras.Model) -> dict[str, np.ndarray]:
+    """The forward's effective kernels keyed by variable path (wrapped ones masked)."""
+    out = {v.path: v.numpy() for v in model.variables}
+    for layer in model.layers:
+        if isinstance(layer, Sparse24):
+            for pw in layer.pruned_weights:
+                out[pw.variable.path] = keras.ops.convert_to_numpy(layer.effective_weight(pw))
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    model = mixed_model()
+    x = np.random.default_rng(1).standard_normal((3, 8, 8, 4)).astype(np.float32)
+    root = tmp_path_factory.mktemp("exports")
+    data = os.path.join(root, "data.npz")
+    y = keras.ops.convert_to_numpy(model(x, training=False))
+    np.savez(data, x=x, y=y)
+    model_path = os.path.join(root, "mixed.keras")
+    model.save(model_path)
+    return {"model": model, "x": x, "y": y, "root": str(root), "data": data, "keras": model_path,
+            "portable": os.path.join(root, "mixed", "1"),
+            "metadata": export(model, os.path.join(root, "mixed", "1"))}
+
+
+def run_python(script: str, *args: str) -> dict:
+    """Runs `script` in a fresh interpreter; returns the JSON it prints last."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- stock-TF decompression -----------------------------------------------------------------
+
+
+def test_portable_decompress_worked_example():
+    # Column 0 keeps rows 1 and 3 of group 0 (meta nibble 0b1101) and rows 4, 6 of group 1
+    # (0b1000 in the high nibble); column 1 keeps rows 0, 1 and 6, 7 (0b0100, 0b1110).
+    values = tf.constant([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    meta = tf.constant([[0b1000_1101], [0b1110_0100]], tf.uint8)
+    dense = portable.decompress(values, meta, 8).numpy()
+    expected = np.zeros((8, 2), np.float32)
+    expected[[1, 3, 4, 6], 0] = [1, 2, 3, 4]
+    expected[[0, 1, 6, 7], 1] = [5, 6, 7, 8]
+    np.testing.assert_array_equal(dense, expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    groups=st.integers(1, 9),
+    n=st.integers(0, 6),
+    dtype=st.sampled_from([np.float32, np.float16, ml_dtypes.bfloat16]),
+    seed=st.integers(0, 2**31),
+)
+def test_portable_decompress_matches_format_bit_exactly(groups, n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    k = 4 * groups  # odd `groups` covers K % 8 == 4 (a half-used last meta byte)
+    w = rng.standard_normal((k, n)).astype(dtype)
+    w[rng.random((k, n)) < 0.1] = np.array([np.nan, np.inf, -0.0], dtype)[rng.integers(0, 3)]
+    w = np.where(prune_24(np.nan_to_num(w.astype(np.float64), nan=9.0), 0) != 0, w, 0).astype(dtype)
+    values, meta = fmt.compress(w)
+    got = portable.decompress(values, meta, k).numpy()
+    want = fmt.decompress(values, meta, k)
+    assert got.dtype == want.dtype and got.shape == (k, n)
+    np.testing.assert_array_equal(got.view(np.uint16 if dtype != np.float32 else np.uint32),
+                                  want.view(np.uint16 if dtype != np.float32 else np.uint32))
+
+
+def test_portable_decompress_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        portable.decompress(tf.zeros([1, 3]), tf.zeros([1, 1], tf.uint8), 6)
+    with pytest.raises(ValueError, match=r"values must be \[2, 4\] and meta \[2, 1\]"):
+        portable.decompress(tf.zeros([2, 4]), tf.zeros([2, 2], tf.uint8), 8)
+
+
+# --- export layout and metadata -------------------------------------------------------------
+
+
+def test_export_layout_and_metadata(mixed):
+    d, metadata = mixed["portable"], mixed["metadata"]
+    assert sorted(os.listdir(d)) == ["assets", "fingerprint.pb", "saved_model.pb", "variables"]
+    assert not [f for f in os.listdir(os.path.dirname(d)) if f != "1"]  # no temp dirs left
+    with open(md.path_in(d)) as f:
+        assert json.load(f) == metadata
+    assert metadata["format"] == "sparse24/v1" and metadata["mode"] == "portable"
+    assert metadata["tensorflow_version"] == tf.__version__
+    assert metadata["package_version"] == tf_sparse24.__version__
+    assert metadata["signature"]["inputs"] == {"pixels": {"shape": [None, 8, 8, 4], "dtype": "float32"}}
+    assert metadata["signature"]["outputs"] == {"logits": {"shape": [None, 4], "dtype": "float32"}}
+    assert sorted(e["name"] for e in metadata["sparse"]) == sorted(SPARSE_NAMES)
+    kernels = kernel_by_path(mixed["model"])
+    for entry in metadata["sparse"]:
+        # The stored tensors are exactly the reference compression of the forward's kernel.
+        w = kernels[entry["name"]]
+        values, meta = fmt.compress(fmt.to_2d(w, entry["axis"]))
+        assert entry["values"]["sha256"] == md.sha256(values), entry["name"]
+        assert entry["meta"]["sha256"] == md.sha256(meta), entry["name"]
+        assert entry["shape"] == list(w.shape) and entry["kernel"] == "decompress"
+        assert entry["pattern"] == "2:4"
+    assert {e["name"]: e["axis"] for e in metadata["sparse"]}["mha/attention_output/kernel"] == 1
+    assert {e["name"]: e["axis"] for e in metadata["sparse"]}["conv/kernel"] == 2
+    dense_names = {r["name"] for r in metadata["dense"]}
+    assert "norm/moving_variance" in dense_names and "logits/bias" in dense_names
+    assert not any("mask" in name for name in dense_names)  # masks are implied by meta
+    assert not dense_names & set(SPARSE_NAMES)
+
+
+def test_load_checks_and_serves(mixed):
+    loaded = load(mixed["portable"])
+    assert loaded.sparse24_metadata == mixed["metadata"]
+    assert json.loads(loaded.metadata().numpy()) == mixed["metadata"]
+    out = loaded.signatures["serving_default"](pixels=tf.constant(mixed["x"]))
+    np.testing.assert_allclose(out["logits"].numpy(), mixed["y"], rtol=1e-5, atol=1e-5)
+    report = verify(mixed["portable"], against=mixed["model"])
+    assert report["nonstock_ops"] == [] and report["max_abs_diff"]["logits"] < 1e-5
+    assert report["tensors"] == 2 * len(SPARSE_NAMES) + len(mixed["metadata"]["dense"])
+    text = describe(mixed["portable"])
+    assert "mha/attention_output/kernel" in text and "variables/" in text
+
+
+def test_portable_serves_in_fresh_process_without_tf_sparse24(mixed):
+    result = run_python(
+        """
+        import json, sys
+        import numpy as np, tensorflow as tf
+        from tensorflow.core.protobuf import saved_model_pb2
+        export_dir, data = sys.argv[1], np.load(sys.argv[2])
+        loaded = tf.saved_model.load(export_dir)
+        fn = loaded.signatures["serving_default"]
+        out = fn(pixels=tf.constant(data["x"]))
+        batch1 = fn(pixels=tf.constant(data["x"][:1]))["logits"].numpy()
+        proto = saved_model_pb2.SavedModel()
+        proto.ParseFromString(open(export_dir + "/saved_model.pb", "rb").read())
+        ops, functions = set(), set()
+        for graph in proto.meta_graphs:
+            ops |= {node.op for node in graph.graph_def.node}
+            for f in graph.graph_def.library.function:
+                functions.add(f.signature.name)
+                ops |= {node.op for node in f.node_def}
+        ops -= functions
+        print(json.dumps({
+            "diff": float(np.abs(out["logits"].numpy() - data["y"]).max()),
+            "diff1": float(np.abs(batch1 - data["y"][:1]).max()),
+            "outputs": sorted(out),
+            "ops": len(ops),
+            "unregistered": sorted(op for op in ops if not hasattr(tf.raw_ops, op)),
+            "imported": sorted(m for m in sys.modules if m.startswith("tf_sparse24")),
+        }))
+        """,
+        mixed["portable"], mixed["data"],
+    )
+    assert result["imported"] == []
+    assert result["outputs"] == ["logits"]
+    assert result["diff"] < 1e-5 and result["diff1"] < 1e-5
+    assert result["ops"] > 10 and result["unregistered"] == []
+    assert nonstock_ops(graph_ops(mixed["portable"])) == set()
+
+
+def test_saved_model_cli_runs_the_portable_export(mixed, tmp_path):
+    np.save(tmp_path / "x.npy", mixed["x"])
+    cli = os.path.join(BIN, "saved_model_cli")
+    proc = subprocess.run(
+        [cli, "run", "--dir", mixed["portable"], "--tag_set", "serve",
+         "--signature_def", "serving_default", "--inputs", f"pixels={tmp_path / 'x.npy'}",
+         "--outdir", str(tmp_path / "out")],
+        env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "out" / "logits.npy"), mixed["y"], atol=1e-5)
+
+
+def test_stripped_model_exports_the_same_tensors(mixed, tmp_path):
+    stripped = mixed_model(wrapped=False)  # same seed: same initial weights
+    for name, value in kernel_by_path(mixed["model"]).items():
+        for variable in stripped.variables:
+            if variable.path == name:
+                variable.assign(value)
+    metadata = export(stripped, tmp_path / "1")
+    by_name = {e["name"]: e for e in metadata["sparse"]}
+    assert sorted(by_name) == sorted(SPARSE_NAMES)
+    for entry in mixed["metadata"]["sparse"]:
+        assert by_name[entry["name"]]["values"] == entry["values"]
+        assert by_name[entry["name"]]["meta"] == entry["meta"]
+    out = load(tmp_path / "1").signatures["serving_default"](pixels=tf.constant(mixed["x"]))
+    np.testing.assert_allclose(out["logits"].numpy(), mixed["y"], rtol=1e-5, atol=1e-5)
+
+
+# --- size -----------------------------------------------------------------------------------
+
+
+def dir_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def test_variables_of_a_dense_model_shrink_to_056x(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((256,), name="features"),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(12),
+    ])  # fmt: skip
+    prune_plain_layers(model)
+    model.export(str(tmp_path / "dense"), format="tf_saved_model", verbose=False)
+    export(model, tmp_path / "sparse" / "1")
+    dense = dir_bytes(tmp_path / "dense" / "variables")
+    sparse = dir_bytes(tmp_path / "sparse" / "1" / "variables")
+    params = sum(int(np.prod(v.shape)) for v in model.variables)
+    assert dense >= 4 * params  # the reference really stores the dense float32 weights
+    assert sparse <= 0.56 * dense, (sparse, dense, sparse / dense)
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def test_unpruned_model_is_rejected_and_nothing_written(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    with pytest.raises(ValueError, match="no 2:4 sparse weights"):
+        export(model, tmp_path / "m" / "1")
+    assert not (tmp_path / "m").exists()
+
+
+def test_bad_arguments(mixed, tmp_path):
+    with pytest.raises(ValueError, match="mode must be one of"):
+        export(mixed["model"], tmp_path / "1", mode="fast")
+    with pytest.raises(ValueError, match="expects a keras.Model"):
+        export(keras.layers.Dense(3), tmp_path / "1")
+    with pytest.raises(ExportError, match="not a tf_sparse24 export"):
+        load(tmp_path)
+
+
+def test_refuses_to_overwrite_unless_asked(mixed, tmp_path):
+    target = tmp_path / "m" / "1"
+    shutil.copytree(mixed["portable"], target)
+    (target / "marker").write_text("old")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export(mixed["model"], target)
+    assert (target / "marker").exists()
+    export(mixed["model"], target, overwrite=True)
+    assert not (target / "marker").exists()
+    assert sorted(os.listdir(tmp_path / "m")) == ["1"]
+    load(target)
+
+
+def _corrupt_copy(mixed, tmp_path, edit):
+    target = tmp_path / "1"
+    shutil.copytree(mixed["portable"], target)
+    edit(target)
+    return target
+
+
+def _edit_json(change):
+    def edit(target):
+        path = md.path_in(target)
+        with open(path) as f:
+            metadata = json.load(f)
+        change(metadata)
+        with open(path, "w") as f:
+            json.dump(metadata, f)
+
+    return edit
+
+
+def _data_file(target):
+    return target / "variables" / "variables.data-00000-of-00001"
+
+
+def _flip_byte_of_first_tensor(target):
+    data = bytearray(_data_file(target).read_bytes())
+    data[16] ^= 0x40
+    _data_file(target).write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: open(md.path_in(t), "w").write("{oops"), "is not valid JSON"),
+        (_edit_json(lambda m: m.update(format="sparse24/v2")), "unsupported compressed format"),
+        (_edit_json(lambda m: m.update(schema="tf_sparse24.export/9")), "unsupported metadata"),
+        (_edit_json(lambda m: m["sparse"][0]["values"].update(sha256="0" * 64)),
+         "differs from the metadata embedded"),
+        (lambda t: os.remove(md.path_in(t)), "not found"),
+        (lambda t: _data_file(t).write_bytes(_data_file(t).read_bytes()[:1000]), "cannot load"),
+        (_flip_byte_of_first_tensor, "tensor 'conv/kernel:values'"),
+    ],
+    ids=["bad-json", "format-v2", "schema", "edited-checksum", "missing", "truncated", "bit-flip"],
+)
+def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):
+    target = _corrupt_copy(mixed, tmp_path, edit)
+    with pytest.raises(ExportError, match=message):
+        load(target)
