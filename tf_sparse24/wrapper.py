@@ -90,6 +90,11 @@ class Sparse24(keras.layers.Wrapper):
             self.pruned_weights.append(PrunedWeight(path, var, mask, axis % var.ndim, self.pattern))
         self.built = True
 
+    def __call__(self, *args, **kwargs):
+        if not self.layer.built:  # multi-input layers (MHA) build from their own call signature
+            self.layer(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
     def get_build_config(self):
         return {"layer": self.layer.get_build_config()}
 

@@ -1,0 +1,192 @@
+"""The Sparse24 wrapper: masked forward, zero gradients, every supported layer, round trips."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+from tf_sparse24 import Sparse24, is_nm_sparse
+
+RNG = np.random.default_rng(0)
+SEQ = RNG.normal(size=(2, 6, 8)).astype("float32")
+IMG = RNG.normal(size=(2, 5, 5, 8)).astype("float32")
+VOL = RNG.normal(size=(2, 4, 4, 4, 8)).astype("float32")
+
+# (layer factory, inputs, expected {relative path: axis})
+CASES = {
+    "dense": (lambda: keras.layers.Dense(6), (SEQ,), {"kernel": 0}),
+    "einsum": (
+        lambda: keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 4), bias_axes="d"),
+        (SEQ,),
+        {"kernel": 0},
+    ),
+    "conv1d": (lambda: keras.layers.Conv1D(4, 3), (SEQ,), {"kernel": 1}),
+    "conv2d": (lambda: keras.layers.Conv2D(4, 3), (IMG,), {"kernel": 2}),
+    "conv3d": (lambda: keras.layers.Conv3D(4, 2), (VOL,), {"kernel": 3}),
+    "separable": (lambda: keras.layers.SeparableConv2D(4, 3), (IMG,), {"pointwise_kernel": 2}),
+    "mha": (
+        lambda: keras.layers.MultiHeadAttention(2, 4),
+        (SEQ, SEQ),
+        {"query/kernel": 0, "key/kernel": 0, "value/kernel": 0, "attention_output/kernel": 1},
+    ),
+    "lstm": (lambda: keras.layers.LSTM(8), (SEQ,), {"lstm_cell/kernel": 0, "lstm_cell/recurrent_kernel": 0}),
+    "gru": (lambda: keras.layers.GRU(4), (SEQ,), {"gru_cell/kernel": 0, "gru_cell/recurrent_kernel": 0}),
+    "simple_rnn": (
+        lambda: keras.layers.SimpleRNN(4),
+        (SEQ,),
+        {"simple_rnn_cell/kernel": 0, "simple_rnn_cell/recurrent_kernel": 0},
+    ),
+}
+
+
+def masked_reference(wrapper, *inputs):
+    """Output of the inner layer with its variables overwritten by variable * mask."""
+    saved = [(pw.variable, pw.variable.numpy()) for pw in wrapper.pruned_weights]
+    try:
+        for pw in wrapper.pruned_weights:
+            pw.variable.assign(pw.variable.numpy() * pw.mask.numpy())
+        return np.asarray(wrapper.layer(*inputs))
+    finally:
+        for var, value in saved:
+            var.assign(value)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layer_forward_and_gradients_are_masked(case):
+    make, inputs, expected = CASES[case]
+    layer = make()
+    dense_out = np.asarray(layer(*inputs))
+    wrapper = Sparse24(layer)
+    np.testing.assert_allclose(wrapper(*inputs), dense_out, rtol=1e-6, atol=1e-6)  # ones masks
+    assert {pw.name: pw.axis for pw in wrapper.pruned_weights} == expected
+    wrapper.update_masks()
+    for pw in wrapper.pruned_weights:
+        assert float(tf.reduce_mean(pw.mask)) == 0.5
+        assert is_nm_sparse(wrapper.effective_weight(pw), "2:4", pw.axis)
+    out = np.asarray(wrapper(*inputs))
+    np.testing.assert_allclose(out, masked_reference(wrapper, *inputs), rtol=1e-5, atol=1e-6)
+    assert np.abs(out - dense_out).max() > 1e-3  # the masks really changed the output
+
+    variables = [pw.variable for pw in wrapper.pruned_weights]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(wrapper(*inputs)))
+    for pw, grad in zip(wrapper.pruned_weights, tape.gradient(loss, variables)):
+        grad = tf.convert_to_tensor(grad).numpy()
+        mask = pw.mask.numpy()
+        assert np.all(grad[mask == 0] == 0), pw.name
+        assert np.count_nonzero(grad[mask == 1]) > 0, pw.name
+
+
+def test_mha_fit_under_jit_updates_real_variables_and_keeps_24():
+    inp = keras.Input((6, 8))
+    h = Sparse24(keras.layers.MultiHeadAttention(2, 4, dropout=0.2))
+    out = keras.layers.GlobalAveragePooling1D()(h(inp, inp))
+    model = keras.Model(inp, out)
+    h.update_masks()
+    before = [pw.variable.numpy().copy() for pw in h.pruned_weights]
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse", jit_compile=True)
+    (seed,) = [v for v in h.layer.non_trainable_variables if "seed_generator" in v.path]
+    seed_before = seed.numpy().copy()
+    model.fit(np.tile(SEQ, (4, 1, 1)), np.ones((8, 8), "float32"), epochs=2, verbose=0)
+    assert not np.array_equal(seed.numpy(), seed_before)  # dropout RNG advances
+    for pw, old in zip(h.pruned_weights, before):
+        new, mask = pw.variable.numpy(), pw.mask.numpy()
+        assert np.array_equal(new[mask == 0], old[mask == 0])  # zero gradient, no momentum
+        assert not np.array_equal(new[mask == 1], old[mask == 1])  # kept weights train
+        assert is_nm_sparse(new * mask, "2:4", pw.axis)
+
+
+class Projection(keras.layers.Layer):
+    """A user layer naming its prunable kernel through the get_prunable_weights() protocol."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], 4), name="w")
+        self.skip_me = self.add_weight(shape=(input_shape[-1], 4), name="skip_me")
+
+    def call(self, x):
+        return x @ self.w + x @ self.skip_me
+
+    def get_prunable_weights(self):
+        return [self.w]
+
+
+def test_user_layer_protocol_and_weights_mapping():
+    x = SEQ[:, 0]
+    layer = Projection()
+    layer(x)
+    protocol = Sparse24(layer)
+    protocol(x)
+    assert [pw.name for pw in protocol.pruned_weights] == ["w"]
+    mapped = Sparse24(layer, weights={"w": 0, "skip_me": 0}, name="mapped")
+    mapped(x)
+    assert [pw.name for pw in mapped.pruned_weights] == ["w", "skip_me"]
+    mapped.update_masks()
+    np.testing.assert_allclose(mapped(x), masked_reference(mapped, x), atol=1e-6)
+
+
+def test_bad_specs_name_the_layer():
+    dense = keras.layers.Dense(4, name="odd")
+    dense(np.ones((1, 6), "float32"))
+    with pytest.raises(ValueError, match=r"'odd'.*not a multiple of 4"):
+        Sparse24(dense)(np.ones((1, 6), "float32"))
+    dense8 = keras.layers.Dense(4, name="d8")
+    dense8(np.ones((1, 8), "float32"))
+    with pytest.raises(ValueError, match=r"'d8' has no variable 'kernal'.*'bias', 'kernel'"):
+        Sparse24(dense8, weights={"kernal": 0})(np.ones((1, 8), "float32"))
+    with pytest.raises(ValueError, match="Received: pattern='2/4'"):
+        Sparse24(dense8, pattern="2/4")
+    depthwise = keras.layers.DepthwiseConv2D(3)
+    depthwise(IMG)
+    with pytest.raises(ValueError, match="depthwise"):
+        Sparse24(depthwise)(IMG)
+
+
+def _masked_model():
+    inp = keras.Input((6, 8))
+    h = Sparse24(keras.layers.MultiHeadAttention(2, 4), pattern="1:4")(inp, inp)
+    h = Sparse24(keras.layers.LSTM(8))(h)
+    out = Sparse24(keras.layers.Dense(4))(h)
+    model = keras.Model(inp, out)
+    for layer in model.layers:
+        if isinstance(layer, Sparse24):
+            layer.update_masks()
+    return model
+
+
+def _reset_masks(model):
+    for layer in model.layers:
+        if isinstance(layer, Sparse24):
+            for pw in layer.pruned_weights:
+                pw.mask.assign(tf.ones_like(pw.mask))
+
+
+def _masks(model):
+    return [pw.mask.numpy() for layer in model.layers if isinstance(layer, Sparse24) for pw in layer.pruned_weights]
+
+
+def test_keras_file_round_trip(tmp_path):
+    model = _masked_model()
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)  # registered as tf_sparse24>Sparse24: no custom_objects
+    assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in model.layers]
+    assert loaded.layers[1].pattern == "1:4"
+    for a, b in zip(_masks(model), _masks(loaded)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(loaded(SEQ), model(SEQ), atol=1e-6)
+
+
+def test_weights_h5_and_checkpoint_round_trips(tmp_path):
+    model = _masked_model()
+    expected = np.asarray(model(SEQ))
+    model.save_weights(str(tmp_path / "m.weights.h5"))
+    prefix = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+
+    _reset_masks(model)
+    model.load_weights(str(tmp_path / "m.weights.h5"))
+    np.testing.assert_allclose(model(SEQ), expected, atol=1e-6)
+
+    _reset_masks(model)
+    tf.train.Checkpoint(model=model).restore(prefix).assert_existing_objects_matched()
+    assert all(float(tf.reduce_mean(m)) == (0.25 if i < 4 else 0.5) for i, m in enumerate(_masks(model)))
+    np.testing.assert_allclose(model(SEQ), expected, atol=1e-6)
