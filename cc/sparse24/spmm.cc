@@ -4,7 +4,6 @@
 #include "cc/sparse24/spmm.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -57,34 +56,83 @@ bool is_nonfinite(DType dtype, const void* p, int64_t i) {
   return dtype == DType::kBFloat16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
 }
 
-// Float32 copy of x rows [m0, m1) into rows (row stride K); marks rows holding NaN/Inf in `bad`.
-void convert_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_t* bad) {
+// Element access per dtype, as compile-time types so the preparation loops vectorize.
+template <DType D>
+struct Elem;
+template <>
+struct Elem<DType::kFloat32> {
+  using Bits = uint32_t;
+  static constexpr Bits kExp = 0x7f800000u;  // all-ones exponent: Inf or NaN
+  static float f32(Bits b) {
+    float f;
+    std::memcpy(&f, &b, sizeof(f));
+    return f;
+  }
+};
+template <>
+struct Elem<DType::kBFloat16> {
+  using Bits = uint16_t;
+  static constexpr Bits kExp = 0x7f80u;
+  static float f32(Bits b) { return bf16_to_f32(b); }
+};
+template <>
+struct Elem<DType::kFloat16> {
+  using Bits = uint16_t;
+  static constexpr Bits kExp = 0x7c00u;
+  static float f32(Bits b) { return f16_to_f32(b); }
+};
+
+// Marks rows [m0, m1) of x holding NaN/Inf in `bad`; with `rows`, also writes their float32 copy
+// (row stride K).
+template <DType D>
+void prepare_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_t* bad) {
+  using E = Elem<D>;
   for (int64_t m = m0; m < m1; ++m) {
-    const int64_t base = m * a.ldx;
-    bool any = false;
-    for (int64_t k = 0; k < a.K; ++k) {
-      const float v = spmm_internal::load_f32(a.dtype, a.x, base + k);
-      if (rows != nullptr) rows[m * a.K + k] = v;
-      any |= !std::isfinite(v);
+    const typename E::Bits* src = static_cast<const typename E::Bits*>(a.x) + m * a.ldx;
+    typename E::Bits any = 0;
+    for (int64_t k = 0; k < a.K; ++k) any |= ((src[k] & E::kExp) == E::kExp);
+    bad[m] = any != 0;
+    if (rows != nullptr) {
+      for (int64_t k = 0; k < a.K; ++k) rows[m * a.K + k] = E::f32(src[k]);
     }
-    bad[m] = any;
   }
 }
 
-// Packs x rows of panel `p` transposed: [K][width] floats, rows past M zero.
-void pack_panel(const SpmmArgs& a, int64_t p, int64_t lanes, float* xt) {
+// Packs the rows of panel `p` transposed, [K][width] floats (rows past M zero), and marks rows
+// holding NaN/Inf in `bad`. Blocked over k so the strided writes stay in L1.
+template <DType D>
+void pack_panel(const SpmmArgs& a, int64_t p, int64_t lanes, float* xt, uint8_t* bad) {
+  using E = Elem<D>;
+  constexpr int64_t kBlock = 64;
   const int64_t m0 = p * kPanelRows;
-  const int64_t width = std::min<int64_t>(kPanelRows, (a.M - m0 + lanes - 1) / lanes * lanes);
+  const int64_t rows = std::min<int64_t>(kPanelRows, a.M - m0);
+  const int64_t width = std::min<int64_t>(kPanelRows, (rows + lanes - 1) / lanes * lanes);
   float* dst = xt + m0 * a.K;
-  for (int64_t r = 0; r < width; ++r) {
-    const int64_t m = m0 + r;
-    if (m >= a.M) {
-      for (int64_t k = 0; k < a.K; ++k) dst[k * width + r] = 0.0f;
-      continue;
+  prepare_rows<D>(a, m0, m0 + rows, nullptr, bad);
+  for (int64_t k0 = 0; k0 < a.K; k0 += kBlock) {
+    const int64_t k1 = std::min(a.K, k0 + kBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      const typename E::Bits* src = static_cast<const typename E::Bits*>(a.x) + (m0 + r) * a.ldx;
+      for (int64_t k = k0; k < k1; ++k) dst[k * width + r] = E::f32(src[k]);
     }
-    for (int64_t k = 0; k < a.K; ++k) {
-      dst[k * width + r] = spmm_internal::load_f32(a.dtype, a.x, m * a.ldx + k);
+    for (int64_t r = rows; r < width; ++r) {
+      for (int64_t k = k0; k < k1; ++k) dst[k * width + r] = 0.0f;
     }
+  }
+}
+
+template <DType D>
+void prepare(const SpmmArgs& a, const Plan& plan, const ParallelFor& parallel_for, float* rows,
+             float* xt, uint8_t* bad) {
+  if (plan.panel) {
+    const int64_t panels = (a.M + kPanelRows - 1) / kPanelRows;
+    parallel_for(panels, kPanelRows * a.K * 2, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) pack_panel<D>(a, p, plan.lanes, xt, bad);
+    });
+  } else {
+    parallel_for(a.M, a.K * 2, [&](int64_t m0, int64_t m1) {
+      prepare_rows<D>(a, m0, m1, rows, bad);
+    });
   }
 }
 
@@ -130,28 +178,28 @@ void spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
 
   SpmmWork w{a.dtype, a.M, a.K, a.N, a.values, a.meta, nullptr, 0, nullptr, a.y, a.ldy};
   std::vector<uint8_t> bad(a.M);
-  std::unique_ptr<float[]> rows;
-  const bool copy_rows = !plan.panel && a.dtype != DType::kFloat32;
-  if (copy_rows) rows.reset(new float[a.M * a.K]);
-  parallel_for(a.M, a.K, [&](int64_t m0, int64_t m1) {
-    convert_rows(a, m0, m1, rows.get(), bad.data());
-  });
-  if (copy_rows) {
+  std::unique_ptr<float[]> rows, xt;
+  if (plan.panel) {
+    xt.reset(new float[(a.M + kPanelRows) * a.K]);
+    w.xt = xt.get();
+  } else if (a.dtype != DType::kFloat32) {
+    rows.reset(new float[a.M * a.K]);
     w.x = rows.get();
     w.ldx = a.K;
   } else {
     w.x = static_cast<const float*>(a.x);
     w.ldx = a.ldx;
   }
-
-  std::unique_ptr<float[]> xt;
-  if (plan.panel) {
-    const int64_t panels = (a.M + kPanelRows - 1) / kPanelRows;
-    xt.reset(new float[(a.M + kPanelRows) * a.K]);
-    parallel_for(panels, kPanelRows * a.K, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) pack_panel(a, p, plan.lanes, xt.get());
-    });
-    w.xt = xt.get();
+  switch (a.dtype) {
+    case DType::kFloat32:
+      prepare<DType::kFloat32>(a, plan, parallel_for, nullptr, xt.get(), bad.data());
+      break;
+    case DType::kBFloat16:
+      prepare<DType::kBFloat16>(a, plan, parallel_for, rows.get(), xt.get(), bad.data());
+      break;
+    case DType::kFloat16:
+      prepare<DType::kFloat16>(a, plan, parallel_for, rows.get(), xt.get(), bad.data());
+      break;
   }
 
   const int64_t units = (a.N + plan.tile - 1) / plan.tile;

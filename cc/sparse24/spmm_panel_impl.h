@@ -19,7 +19,8 @@ namespace sparse24 {
 namespace spmm_internal {
 namespace panel {
 
-constexpr int64_t kTileCols = 64;  // columns whose partial sums share the tile buffer
+constexpr int64_t kTileCols = 64;     // columns whose partial sums share the tile buffer
+constexpr int64_t kPrefetchCols = 2;  // how far ahead a column's values are prefetched
 
 // V: SIMD traits with `using reg`, `kLanes`, zero(), load(const float*), store(float*, reg),
 // broadcast(const float*), fmadd(a, b, c) = a * b + c, add(a, b), and
@@ -67,6 +68,16 @@ struct Microkernel {
     }
   }
 
+  // The values of one column's K block are a short run far from the previous column's (row
+  // stride K/2), which the hardware prefetcher does not foresee: ask for it a few columns ahead.
+  static inline void prefetch_column(const SpmmWork& w, int64_t v, int64_t groups, int64_t n,
+                                     int64_t meta_row, int64_t kb) {
+    const char* p = static_cast<const char*>(w.values) + v * dtype_size(w.dtype);
+    const int64_t bytes = 2 * groups * dtype_size(w.dtype);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+    __builtin_prefetch(w.meta + n * meta_row + kb / 8);
+  }
+
   // One panel (rows m0 .. m0 + rows) times columns [n0, n1), written to y.
   static void panel(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
                     int64_t n1, int64_t k_block) {
@@ -87,6 +98,8 @@ struct Microkernel {
             }
           }
           const int64_t v0 = n * half_k + kb / 2;
+          if (n + kPrefetchCols < t1) prefetch_column(w, v0 + kPrefetchCols * half_k, groups,
+                                                      n + kPrefetchCols, meta_row, kb);
           const float* vals;
           if (w.dtype == DType::kFloat32) {
             vals = static_cast<const float*>(w.values) + v0;
