@@ -10,3 +10,6 @@ from tf_sparse24.masks import MASK_METHODS, compute_mask, is_nm_sparse, parse_pa
 from tf_sparse24.wrapper import PrunedWeight, Sparse24  # noqa: E402
 from tf_sparse24.prune import eligible_weights, prune, pruned_layers, report, strip  # noqa: E402
 from tf_sparse24.callbacks import Sparse24Callback  # noqa: E402
+from tf_sparse24.export import export, load  # noqa: E402
+from tf_sparse24.metadata import ExportError  # noqa: E402
+from tf_sparse24.verify import describe as describe_export, verify as verify_export  # noqa: E402
