@@ -105,7 +105,8 @@ class Sparse24(keras.layers.Wrapper):
 
     def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
         """The exactly-N:M weight the forward uses: `variable * mask`."""
-        return pw.variable.value * pw.mask.value
+        value = pw.variable.value  # the compute dtype inside a mixed-precision call (autocast)
+        return value * tf.cast(pw.mask.value, value.dtype)
 
     def update_masks(self, method: str = "magnitude") -> None:
         """Recomputes every mask by `method` from the current variable values."""
