@@ -1,0 +1,209 @@
+"""prune / strip / report / pruned_layers on Sequential, Functional and subclassed models."""
+
+import numpy as np
+import pytest
+import keras
+
+import tf_sparse24 as ts
+from test_masks import reference_mask
+
+RNG = np.random.default_rng(1)
+X = RNG.normal(size=(4, 6, 8)).astype("float32")
+
+
+def functional_model():
+    """Nested model, a shared layer, MHA, conv, LSTM, and an output layer too narrow to prune."""
+    sub_in = keras.Input((6, 8))
+    sub = keras.Model(sub_in, keras.layers.Dense(8, name="sub_dense")(sub_in), name="sub")
+    shared = keras.layers.Dense(8, name="shared")
+    inp = keras.Input((6, 8))
+    h = shared(shared(sub(inp)))
+    h = keras.layers.MultiHeadAttention(2, 4, name="mha")(h, h)
+    h = keras.layers.Conv1D(8, 3, name="conv")(h)
+    h = keras.layers.LSTM(8, name="lstm")(h)
+    h = keras.layers.Dense(3, name="narrow")(h)
+    return keras.Model(inp, keras.layers.Dense(2, name="out")(h))
+
+
+def all_layers(model):
+    out = []
+    for layer in model.layers:
+        out += [layer] + (all_layers(layer) if isinstance(layer, keras.Model) else [])
+    return out
+
+
+def masked_copy(model, axes):
+    """The original model with its prunable weights replaced by numpy-reference 2:4 weights."""
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    for layer in [l for l in all_layers(copy) if l.name in axes]:
+        for var in layer.trainable_weights:
+            suffix = var.path.split(layer.name + "/", 1)[-1]
+            if suffix in axes[layer.name]:
+                w = var.numpy()
+                var.assign(w * reference_mask(w, 2, 4, axes[layer.name][suffix]))
+    return copy
+
+
+FUNCTIONAL_AXES = {
+    "sub_dense": {"kernel": 0},
+    "shared": {"kernel": 0},
+    "mha": {"query/kernel": 0, "key/kernel": 0, "value/kernel": 0, "attention_output/kernel": 1},
+    "conv": {"kernel": 1},
+    "lstm": {"lstm_cell/kernel": 0, "lstm_cell/recurrent_kernel": 0},
+    "narrow": {"kernel": 0},
+}
+
+
+def test_functional_prune_is_a_new_model_equal_to_masked_original():
+    model = functional_model()
+    weights = [w.copy() for w in model.get_weights()]
+    pruned = ts.prune(model)
+    assert pruned is not model and not ts.pruned_layers(model)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+    names = sorted(layer.layer.name for layer in ts.pruned_layers(pruned))
+    assert names == ["conv", "lstm", "mha", "narrow", "shared", "sub_dense"]
+    reference = masked_copy(model, FUNCTIONAL_AXES)
+    np.testing.assert_allclose(pruned(X), reference(X), rtol=1e-5, atol=1e-6)
+    # The shared layer stays one layer (one set of weights and masks).
+    shared = [layer for layer in ts.pruned_layers(pruned) if layer.layer.name == "shared"]
+    assert len(shared) == 1 and len(shared[0].pruned_weights) == 1
+
+
+def test_strip_gives_plain_model_with_exact_24_weights():
+    pruned = ts.prune(functional_model())
+    pruned.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", run_eagerly=True)
+    pruned.fit(X, np.ones((4, 2), "float32"), epochs=2, verbose=0)  # variables drift; masks hold
+    stripped = ts.strip(pruned)
+    flat = all_layers(stripped)
+    assert not any(isinstance(layer, ts.Sparse24) for layer in flat)
+    np.testing.assert_allclose(stripped(X), pruned(X), rtol=1e-5, atol=1e-6)
+    for layer in flat:
+        for path, axis in FUNCTIONAL_AXES.get(layer.name, {}).items():
+            (var,) = [v for v in layer.weights if v.path.endswith(path)]
+            assert ts.is_nm_sparse(var, "2:4", axis), var.path
+            assert np.count_nonzero(var.numpy()) == var.numpy().size // 2
+
+
+def test_sequential_layers_and_skip_selection():
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(8, name="b"),
+         keras.layers.Dense(4, name="c")]
+    )
+    assert [l.layer.name for l in ts.pruned_layers(ts.prune(model))] == ["a", "b", "c"]
+    assert [l.layer.name for l in ts.pruned_layers(ts.prune(model, layers=["b"]))] == ["b"]
+    assert [l.layer.name for l in ts.pruned_layers(ts.prune(model, skip=["a", "c"]))] == ["b"]
+    pruned = ts.prune(model, "1:4", skip=[model.get_layer("a")])
+    np.testing.assert_allclose(
+        pruned(X[:, 0].repeat(2, axis=1)),
+        masked_copy_1of4(model, X[:, 0].repeat(2, axis=1)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    with pytest.raises(ValueError, match=r"layers: no layer named \['nope'\]"):
+        ts.prune(model, layers=["nope"])
+
+
+def masked_copy_1of4(model, x):
+    h = x.astype(np.float64)
+    for layer in model.layers:
+        kernel, bias = (w.astype(np.float64) for w in layer.get_weights())
+        if layer.name != "a":
+            kernel = kernel * reference_mask(kernel, 1, 4, 0)
+        h = h @ kernel + bias
+    return h
+
+
+@keras.saving.register_keras_serializable(package="test_prune")
+class TwoLayer(keras.Model):
+    """A subclassed model that opts in by wrapping its prunable layers itself."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.hidden = ts.Sparse24(keras.layers.Dense(units, activation="relu"))
+        self.head = ts.Sparse24(keras.layers.Dense(4))
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def test_subclassed_model_prune_returns_masked_copy():
+    model = TwoLayer()
+    x = X[:, 0]
+    dense_out = np.asarray(model(x))  # masks of ones: the model is dense
+    pruned = ts.prune(model)
+    assert pruned is not model
+    assert all(float(np.mean(pw.mask.numpy())) == 1.0 for l in ts.pruned_layers(model) for pw in l.pruned_weights)
+    np.testing.assert_allclose(model(x), dense_out)
+    h = x.astype(np.float64)
+    for wrapper in (model.hidden, model.head):
+        kernel, bias = (w.astype(np.float64) for w in wrapper.layer.get_weights())
+        h = h @ (kernel * reference_mask(kernel, 2, 4, 0)) + bias
+        if wrapper is model.hidden:
+            h = np.maximum(h, 0)
+    np.testing.assert_allclose(pruned(x), h, rtol=1e-5, atol=1e-6)
+
+
+class Plain(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_bad_inputs_raise_before_any_change():
+    with pytest.raises(TypeError, match="expects a keras.Model. Received: Dense"):
+        ts.prune(keras.layers.Dense(4))
+    with pytest.raises(ValueError, match="unbuilt model"):
+        ts.prune(keras.Sequential([keras.layers.Dense(4)]))
+    plain = Plain()
+    plain(X[:, 0])
+    with pytest.raises(ValueError, match="has no Sparse24 layers"):
+        ts.prune(plain)
+
+    model = functional_model()
+    with pytest.raises(ValueError, match="Received: pattern='2:4:8'"):
+        ts.prune(model, "2:4:8")
+    lstm = model.get_layer("lstm")
+    weights = lstm.get_weights()
+    weights[1][3, 5] = np.nan  # recurrent kernel
+    lstm.set_weights(weights)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"lstm/lstm_cell/recurrent_kernel.*NaN/Inf"):
+        ts.prune(model)
+    after = model.get_weights()
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after))
+    assert not ts.pruned_layers(model)
+
+
+def test_report_rows_and_table():
+    model = functional_model()
+    depthwise_in = keras.Input((5, 5, 8))
+    depthwise = keras.Model(depthwise_in, keras.layers.DepthwiseConv2D(3, name="dw")(depthwise_in))
+    lines = []
+    rows = ts.report(ts.prune(model), print_fn=lines.append)
+    by_name = {r.layer: r for r in rows}
+    assert by_name["sparse24_lstm"].status == "pruned"
+    assert by_name["sparse24_lstm"].params == 8 * 32 + 8 * 32
+    assert by_name["sparse24_lstm"].density == 0.5 and by_name["sparse24_lstm"].valid
+    assert by_name["out"].status == "skipped" and "(3, 2): axis 0 size 3" in by_name["out"].reason
+    table = lines[0]
+    assert "sparse24_mha" in table and "total pruned" in table and "6 layers" in table
+    (dw_row,) = ts.report(depthwise, print_fn=None)
+    assert dw_row.status == "skipped" and "depthwise" in dw_row.reason
+
+
+def test_eligible_weights():
+    conv = keras.layers.Conv2D(4, 3)
+    conv.build((None, 5, 5, 8))
+    ((path, var, axis),) = ts.eligible_weights(conv)
+    assert (path, axis) == ("kernel", 2) and var is conv.kernel
+    einsum = keras.layers.EinsumDense("abc,dc->abd", output_shape=(None, 4))  # kernel [d, c]
+    einsum.build((None, 6, 8))
+    assert ts.eligible_weights(einsum) == []
