@@ -38,14 +38,64 @@ def _cpu_sources() -> list[str]:
     for pattern in ("cc/sparse24/*.cc", "cc/tf/*.cc"):
         for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
             name = os.path.basename(path)
-            if name.endswith((".cu.cc", "_test.cc")):
-                continue
+            if name.endswith((".cu.cc", "_test.cc")) or name.startswith("cusparselt"):
+                continue  # GPU-only sources: see gpu_compile_jobs
             sources.append(path)
     return sources
 
 
-def _cuda_sources() -> list[str]:
-    return sorted(glob.glob(os.path.join(ROOT, "cc", "**", "*.cu.cc"), recursive=True))
+# GPU build (TF_SPARSE24_CUDA=1, see docs/GPU.md). Device code lives only in the framework-free
+# cc/sparse24/gpu_*.cu files (nvcc). The TF wrappers cc/tf/*.cu.cc hold host code only (shape
+# checks, TF memory and stream, cuSPARSELt calls), so they compile with the host compiler against
+# the CUDA runtime headers: several times faster than nvcc on TensorFlow's headers. cuSPARSELt is
+# dlopen'ed at run time (cc/sparse24/cusparselt.cc), never linked.
+CUDA_ARCH_FLAGS = [  # Sparse Tensor Cores start at sm_80; PTX for newer GPUs.
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_90,code=[sm_90,compute_90]",
+]
+NVCC_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+              *CUDA_ARCH_FLAGS]
+
+
+def cuda_home() -> str:
+    return os.environ.get("CUDA_HOME", "/usr/local/cuda")
+
+
+def find_nvcc() -> str:
+    return (os.environ.get("NVCC") or shutil.which("nvcc")
+            or os.path.join(cuda_home(), "bin", "nvcc"))
+
+
+def gpu_sources() -> list[str]:
+    """GPU-build sources of the op library (the gpu_check harness is a separate program)."""
+    sources = sorted(glob.glob(os.path.join(ROOT, "cc", "sparse24", "gpu_*.cu")))
+    sources = [s for s in sources if not s.endswith("gpu_check.cu")]
+    sources += sorted(glob.glob(os.path.join(ROOT, "cc", "tf", "*.cu.cc")))
+    return sources + [os.path.join(ROOT, "cc", "sparse24", "cusparselt.cc")]
+
+
+def gpu_compile_jobs(compile_flags: list[str], obj_dir: str, cxx: str = "g++",
+                     nvcc: str | None = None) -> list[tuple[list[str], str]]:
+    """(command, object path) for every GPU source of the op library."""
+    nvcc = nvcc or find_nvcc()
+    extra = shlex.split(os.environ.get("TF_SPARSE24_NVCC_FLAGS", ""))
+    jobs = []
+    for src in gpu_sources():
+        obj = os.path.join(obj_dir, os.path.relpath(src, ROOT).replace(os.sep, "_") + ".o")
+        if src.endswith(".cu"):
+            cmd = [nvcc, *NVCC_FLAGS, *compile_flags, "-DGOOGLE_CUDA=1", f"-I{ROOT}", *extra,
+                   "-c", src, "-o", obj]
+        else:
+            cmd = [cxx, *CXX_FLAGS, "-x", "c++", *compile_flags, "-DGOOGLE_CUDA=1", f"-I{ROOT}",
+                   f"-I{cuda_home()}/include", "-c", src, "-o", obj]
+        jobs.append((cmd, obj))
+    return jobs
+
+
+def gpu_link_flags() -> list[str]:
+    # The CUDA runtime is linked statically: it must match the nvcc that built the kernels, not
+    # the CUDA 12 runtime TensorFlow itself loads.
+    return [f"-L{cuda_home()}/lib64", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
 
 
 def _isa_flags(path: str) -> list[str]:
@@ -72,6 +122,8 @@ class BuildTfOps(build_ext):
 
         use_cuda = os.environ.get("TF_SPARSE24_CUDA", "0") == "1"
         defines = ["-DGOOGLE_CUDA=1"] if use_cuda else []
+        # Recorded in the library so tf_sparse24.ops can name the TF version it was built for.
+        defines.append(f'-DTF_SPARSE24_TF_VERSION="{tf.__version__}"')
 
         jobs = []
         for src in _cpu_sources():
@@ -81,16 +133,8 @@ class BuildTfOps(build_ext):
             jobs.append((cmd, obj))
         extra_link = []
         if use_cuda:
-            nvcc = os.environ.get("NVCC", shutil.which("nvcc") or "nvcc")
-            for src in _cuda_sources():
-                obj = os.path.join(obj_dir, os.path.relpath(src, ROOT).replace(os.sep, "_") + ".o")
-                cmd = [nvcc, "-std=c++17", "-O3", "-x", "cu", "--expt-relaxed-constexpr",
-                       "-Xcompiler", "-fPIC", *compile_flags, *defines, f"-I{ROOT}",
-                       *shlex.split(os.environ.get("TF_SPARSE24_NVCC_FLAGS", "")),
-                       "-c", src, "-o", obj]
-                jobs.append((cmd, obj))
-            cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-            extra_link = [f"-L{cuda_home}/lib64", "-lcudart", "-ldl"]
+            jobs += gpu_compile_jobs(compile_flags, obj_dir, cxx=cxx)
+            extra_link = gpu_link_flags()
 
         def run(job: tuple[list[str], str]) -> str:
             cmd, obj = job

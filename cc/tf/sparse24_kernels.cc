@@ -204,8 +204,15 @@ REGISTER_CPU(Eigen::half);
 }  // namespace
 }  // namespace tensorflow
 
-// Plain C entry points for tf_sparse24.ops (ctypes): which CPU kernel variants this machine runs.
+// Plain C entry points for tf_sparse24.ops (ctypes): the TensorFlow version this library was built
+// against, and which CPU kernel variants this machine runs.
 extern "C" {
+
+// setup.py defines TF_SPARSE24_TF_VERSION from tf.__version__ (TF's headers carry no version macro).
+#ifndef TF_SPARSE24_TF_VERSION
+#define TF_SPARSE24_TF_VERSION "unknown"
+#endif
+const char* tf_sparse24_tf_version() { return TF_SPARSE24_TF_VERSION; }
 
 // The variant `auto` resolves to: "scalar", "avx2" or "avx512".
 const char* tf_sparse24_best_cpu_isa() { return sparse24::isa_name(sparse24::best_isa()); }
