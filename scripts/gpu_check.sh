@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Builds the framework-free GPU harness (cc/sparse24/gpu_check.cu) with nvcc, runs its checks and
+# its cuSPARSELt-vs-cuBLAS timings, then the PyTorch peer (bench/gpu_peer_torch.py) on the same
+# shapes, and prints both tables last. Needs an NVIDIA GPU (sm_80+), nvcc, and the cuSPARSELt and
+# cuBLAS libraries, found in the Python environment's nvidia-* wheels (nvidia/*/lib), $CUDA_HOME/lib64
+# or the loader path; no TensorFlow. Logs and CSV go to $OUT when it is set.
+#
+#   bash scripts/gpu_check.sh                 # everything (about 2-4 minutes on an H200)
+#   bash scripts/gpu_check.sh --find-only     # just report which nvcc/libraries would be used
+#   bash scripts/gpu_check.sh --dry-run       # build, load the libraries, parse flags; no GPU work
+#   bash scripts/gpu_check.sh --sizes 8192 --batches 1 --dtypes bf16   # other flags: gpu_check --help
+#
+# Environment: PYTHON (default /opt/torch/.venv/bin/python3, else python3), NVCC, CUDA_HOME,
+# CUSPARSELT_LIB / CUBLAS_LIB (full paths, skip the search), GPU_CHECK_BUILD (build directory).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_only=0
+args=()
+for a in "$@"; do
+  if [[ "$a" == "--find-only" ]]; then find_only=1; else args+=("$a"); fi
+done
+
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x /opt/torch/.venv/bin/python3 ]]; then PYTHON=/opt/torch/.venv/bin/python3; else PYTHON=python3; fi
+fi
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+NVCC=${NVCC:-$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")}
+BUILD=${GPU_CHECK_BUILD:-build/gpu_check}
+LOG_DIR=${OUT:-$BUILD}
+
+# First file matching one of the names: nvidia wheels in the Python environment, then CUDA_HOME,
+# then the loader cache. Prints nothing if none is found.
+find_file() {
+  "$PYTHON" - "$CUDA_HOME" "$@" <<'EOF' 2>/dev/null || true
+import glob, os, site, subprocess, sys, sysconfig
+cuda_home, names = sys.argv[1], sys.argv[2:]
+roots = []
+for getter in (site.getsitepackages, lambda: [site.getusersitepackages()],
+               lambda: [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]):
+    try:
+        roots += [r for r in getter() if r not in roots]
+    except Exception:
+        pass
+roots += [p for p in sys.path if p and p not in roots]
+for name in names:
+    for root in roots:
+        for sub in ("nvidia/*/lib", "nvidia/*/include", "nvidia/lib", "nvidia/include"):
+            hits = sorted(glob.glob(os.path.join(root, sub, name)))
+            if hits:
+                print(hits[0]); sys.exit(0)
+    for d in (os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "include")):
+        if os.path.exists(os.path.join(d, name)):
+            print(os.path.join(d, name)); sys.exit(0)
+    try:
+        cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    except OSError:
+        cache = ""
+    for line in cache.splitlines():
+        if line.strip().startswith(name + " ") and "=>" in line:
+            print(line.split("=>")[-1].strip()); sys.exit(0)
+sys.exit(1)
+EOF
+}
+
+LT_LIB=${CUSPARSELT_LIB:-$(find_file libcusparseLt.so.0)}
+CUBLAS=${CUBLAS_LIB:-$(find_file libcublas.so.13 libcublas.so.12 libcublas.so)}
+LT_HEADER=$(find_file cusparseLt.h)
+echo "== gpu_check: python $PYTHON; nvcc $NVCC"
+echo "cusparselt: ${LT_LIB:-NOT FOUND (pip install nvidia-cusparselt-cu12 or -cu13, or set CUSPARSELT_LIB)}"
+echo "cublas: ${CUBLAS:-NOT FOUND (pip install nvidia-cublas, or set CUBLAS_LIB)}"
+echo "cusparseLt.h: ${LT_HEADER:-not found (ABI check skipped)}"
+if [[ $find_only == 1 ]]; then
+  [[ -n "$LT_LIB" && -n "$CUBLAS" ]] && exit 0 || exit 3
+fi
+if [[ -z "${GPU_CHECK_BIN:-}" && ! -x "$NVCC" ]]; then echo "gpu_check: nvcc not found (set NVCC or CUDA_HOME)"; exit 3; fi
+
+mkdir -p "$BUILD" "$LOG_DIR"
+if [[ -n "$LT_HEADER" ]]; then
+  # Our own declarations of the cuSPARSELt API (cc/sparse24/cusparselt.h) against the real header.
+  g++ -std=c++17 -fsyntax-only -I. -I"$(dirname "$LT_HEADER")" -I"$CUDA_HOME/include" \
+      cc/sparse24/cusparselt_abi_check.cc
+  echo "cusparselt ABI check: ok (cc/sparse24/cusparselt.h matches $LT_HEADER)"
+fi
+HARNESS=${GPU_CHECK_BIN:-$BUILD/gpu_check}  # GPU_CHECK_BIN: a prebuilt harness (tests use it)
+if [[ -z "${GPU_CHECK_BIN:-}" ]]; then
+  echo "building $HARNESS ..."
+  "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 \
+      -gencode=arch=compute_80,code="[sm_80,compute_80]" -I. cc/sparse24/gpu_check.cu \
+      cc/sparse24/gpu_kernels.cu cc/sparse24/gpu_spmm.cu cc/sparse24/cusparselt.cc \
+      -o "$HARNESS" -ldl -lpthread
+fi
+
+set +e
+"$HARNESS" ${LT_LIB:+--cusparselt "$LT_LIB"} ${CUBLAS:+--cublas "$CUBLAS"} \
+    --out "$LOG_DIR" ${args[@]+"${args[@]}"}
+rc=$?
+for a in ${args[@]+"${args[@]}"}; do
+  [[ "$a" == "--dry-run" || "$a" == "--help" || "$a" == "-h" ]] && exit $rc
+done
+[[ $rc == 2 || $rc == 3 ]] && exit $rc
+PYTHONUNBUFFERED=1 "$PYTHON" bench/gpu_peer_torch.py --out "$LOG_DIR" ${args[@]+"${args[@]}"}
+peer_rc=$?
+set -e
+
+echo
+echo "== summary: tf_sparse24 harness (cuSPARSELt 2:4 vs cuBLAS dense)"
+sed -n '/^dtype /,/^Lt = /p' "$LOG_DIR/gpu_check.log"
+grep -E '^\s+\[FAIL\]|^gpu_check: ' "$LOG_DIR/gpu_check.log" | tail -n 20
+echo "== summary: PyTorch peer (torch semi-structured 2:4 vs dense F.linear)"
+sed -n '/^dtype /,$p' "$LOG_DIR/gpu_peer_torch.log" 2>/dev/null || echo "(no peer log)"
+echo "harness exit $rc, peer exit $peer_rc; logs in $LOG_DIR"
+exit $(( rc != 0 ? rc : peer_rc ))

@@ -1,0 +1,203 @@
+"""The GPU path compiles (compile only: CI has no GPU) and its host-side parts behave.
+
+* Every GPU source of the op library compiles with exactly the commands setup.py uses for
+  TF_SPARSE24_CUDA=1 builds, and the GPU kernels really are in the objects.
+* The gpu_check harness links, parses its flags, and finds / loads cuSPARSELt and cuBLAS (stand-in
+  libraries exporting the same symbols), or says what to install when they are missing.
+* cc/sparse24/cusparselt.h (our declarations of the cuSPARSELt API) matches a real cusparseLt.h,
+  when the nvidia-cusparselt wheel is installed (it is 170-240 MB, so it is not a test dependency;
+  scripts/gpu_check.sh runs the same check on the GPU machine).
+
+Without nvcc the tests fail under CI=true and are skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUSPARSELT_SYMBOLS = [
+    "cusparseLtInit", "cusparseLtDestroy", "cusparseLtGetVersion", "cusparseLtDenseDescriptorInit",
+    "cusparseLtStructuredDescriptorInit", "cusparseLtMatDescriptorDestroy",
+    "cusparseLtMatmulDescriptorInit", "cusparseLtMatmulAlgSelectionInit",
+    "cusparseLtMatmulAlgSelectionDestroy", "cusparseLtMatmulAlgGetAttribute",
+    "cusparseLtMatmulGetWorkspace", "cusparseLtMatmulPlanInit", "cusparseLtMatmulPlanDestroy",
+    "cusparseLtMatmul", "cusparseLtMatmulSearch", "cusparseLtSpMMACompressedSize2",
+    "cusparseLtSpMMACompress2",
+]
+CUBLAS_SYMBOLS = ["cublasCreate_v2", "cublasSetStream_v2", "cublasGemmEx"]
+
+
+def _load_setup_module(monkeypatch: pytest.MonkeyPatch):
+    """setup.py as a module (its setup() call neutralised), for its GPU build commands."""
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
+    spec = importlib.util.spec_from_file_location("tf_sparse24_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def nvcc() -> str:
+    path = os.environ.get("NVCC") or shutil.which("nvcc")
+    if path is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
+        path = "/usr/local/cuda/bin/nvcc"
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("nvcc not found: CI must compile the GPU sources (install the CUDA toolkit)")
+        pytest.skip("nvcc not found; the GPU sources are compiled in CI (CI=true makes this fail)")
+    return path
+
+
+def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def build(nvcc: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Compiles the op library's GPU sources with setup.py's commands, and links gpu_check."""
+    import tensorflow as tf
+
+    mp = pytest.MonkeyPatch()
+    try:
+        setup = _load_setup_module(mp)
+    finally:
+        mp.undo()
+    out = tmp_path_factory.mktemp("gpu_build")
+    jobs = setup.gpu_compile_jobs(tf.sysconfig.get_compile_flags(), str(out), nvcc=nvcc)
+    harness_obj = str(out / "gpu_check.o")
+    jobs.append(([nvcc, *setup.NVCC_FLAGS, f"-I{ROOT}", "-c",
+                  os.path.join(ROOT, "cc", "sparse24", "gpu_check.cu"), "-o", harness_obj],
+                 harness_obj))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda job: (job, _run(job[0])), jobs))
+    failures = [f"{' '.join(job[0])}\n{r.stderr[-3000:]}" for job, r in results if r.returncode]
+    assert not failures, "GPU sources failed to compile:\n" + "\n\n".join(failures)
+    objects = {os.path.basename(obj): obj for _, obj in jobs}
+    harness = str(out / "gpu_check")
+    lib_objs = [o for name, o in objects.items() if name.startswith("cc_sparse24_")]
+    link = _run([nvcc, *setup.CUDA_ARCH_FLAGS, harness_obj, *lib_objs, "-o", harness, "-ldl",
+                 "-lpthread"])
+    assert link.returncode == 0, link.stderr[-3000:]
+    return {"setup": setup, "objects": objects, "harness": harness, "dir": out}
+
+
+def test_every_gpu_source_is_built_by_setup(build: dict) -> None:
+    setup = build["setup"]
+    sources = {os.path.relpath(s, ROOT) for s in setup.gpu_sources()}
+    on_disk = {os.path.relpath(s, ROOT) for s in glob.glob(os.path.join(ROOT, "cc", "tf", "*.cu.cc"))}
+    on_disk |= {os.path.relpath(s, ROOT) for s in glob.glob(os.path.join(ROOT, "cc", "sparse24", "gpu_*.cu"))}
+    on_disk.discard("cc/sparse24/gpu_check.cu")
+    assert on_disk <= sources
+    # The CPU build leaves the GPU-only glue out.
+    assert not any("cusparselt" in s for s in setup._cpu_sources())
+
+
+def test_gpu_objects_hold_the_kernels(build: dict) -> None:
+    """GOOGLE_CUDA took effect: the TF GPU kernels and the CUDA kernels are in the objects."""
+    objects = build["objects"]
+    tf_obj = next(o for name, o in objects.items() if name.startswith("cc_tf_"))
+    symbols = _run(["nm", "-C", tf_obj]).stdout
+    for op in ("Sparse24MatMulGpuOp", "Sparse24CompressGpuOp", "Sparse24DecompressGpuOp"):
+        assert op in symbols, f"{op} missing from {tf_obj}"
+    kernels = next(o for name, o in objects.items() if name.endswith("gpu_kernels.cu.o"))
+    sass = _run(["cuobjdump", "--list-elf", kernels]) if shutil.which("cuobjdump") else None
+    if sass is not None and sass.returncode == 0:
+        assert "sm_80" in sass.stdout and "sm_90" in sass.stdout, sass.stdout
+    assert "compress_kernel" in _run(["nm", "-C", kernels]).stdout
+
+
+def _stub_library(directory, soname: str, symbols: list[str]) -> str:
+    """A shared library exporting `symbols` (each a function returning 0)."""
+    os.makedirs(directory, exist_ok=True)
+    src = os.path.join(directory, soname + ".c")
+    with open(src, "w") as f:
+        f.writelines(f"int {name}(void) {{ return 0; }}\n" for name in symbols)
+    path = os.path.join(directory, soname)
+    result = _run(["gcc", "-shared", "-fPIC", src, "-o", path])
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+def _harness(build: dict, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "LD_LIBRARY_PATH": "", **(env or {})}
+    full_env.pop("TF_SPARSE24_CUSPARSELT", None)
+    return _run([build["harness"], *args], env=full_env, timeout=60)
+
+
+def test_harness_loads_libraries_found_by_the_script(build: dict, tmp_path) -> None:
+    site = tmp_path / "site"  # laid out like the nvidia-cusparselt-cu13 / nvidia-cublas wheels
+    lt = _stub_library(site / "nvidia" / "cu13" / "lib", "libcusparseLt.so.0", CUSPARSELT_SYMBOLS)
+    cublas = _stub_library(site / "nvidia" / "cu13" / "lib", "libcublas.so.13", CUBLAS_SYMBOLS)
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHON": sys.executable,
+           "GPU_CHECK_BIN": build["harness"], "OUT": str(tmp_path / "out"), "CUDA_HOME": str(tmp_path)}
+    found = _run(["bash", "scripts/gpu_check.sh", "--find-only"], env=env, timeout=60)
+    assert found.returncode == 0, found.stdout + found.stderr
+    assert f"cusparselt: {lt}" in found.stdout and f"cublas: {cublas}" in found.stdout
+    dry = _run(["bash", "scripts/gpu_check.sh", "--dry-run", "--sizes", "8192", "--batches", "1,8"],
+               env=env, timeout=60)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "sizes 8192;" in dry.stdout and "batches 1 8;" in dry.stdout
+    assert f"cuBLAS: loaded {cublas}" in dry.stdout and "no GPU work done" in dry.stdout
+    with open(tmp_path / "out" / "gpu_check.log") as f:  # the log mirrors stdout
+        assert "no GPU work done" in f.read()
+
+
+def test_missing_cusparselt_says_what_to_install(build: dict, tmp_path) -> None:
+    result = _harness(build, "--dry-run", "--cusparselt", str(tmp_path / "absent.so"))
+    assert result.returncode == 3
+    assert "pip install tf_sparse24[gpu]" in result.stdout
+    assert "nvidia-cusparselt-cu12" in result.stdout and str(tmp_path / "absent.so") in result.stdout
+
+
+def test_old_cusparselt_is_named(build: dict, tmp_path) -> None:
+    lt = _stub_library(tmp_path, "libcusparseLt.so.0", CUSPARSELT_SYMBOLS[:-1])
+    result = _harness(build, "--dry-run", "--cusparselt", lt)
+    assert result.returncode == 3
+    assert "lacks cusparseLtSpMMACompress2" in result.stdout and ">= 0.6" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sizes", "4096,100"], "multiple of 16. Received: 100"),
+        (["--ffn", "768by3072"], "expected KxN pairs like 768x3072. Received: '768by3072'"),
+        (["--dtypes", "fp8"], "bf16 or fp16. Received: 'fp8'"),
+        (["--reps", "0"], "--reps: expected an integer in [1, 10000]. Received: '0'"),
+        (["--bogus"], "unknown argument '--bogus'"),
+    ],
+)
+def test_harness_rejects_bad_flags(build: dict, args: list[str], message: str) -> None:
+    result = _harness(build, "--dry-run", *args)
+    assert result.returncode == 2 and message in result.stdout, result.stdout
+
+
+def _installed_cusparselt_header() -> str | None:
+    for root in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path}:
+        hits = glob.glob(os.path.join(root, "nvidia", "*", "include", "cusparseLt.h"))
+        if hits:
+            return hits[0]
+    return None
+
+
+def test_cusparselt_declarations_match_the_real_header(nvcc: str) -> None:
+    header = _installed_cusparselt_header()
+    if header is None:
+        pytest.skip("nvidia-cusparselt-cu12/-cu13 not installed (170-240 MB); "
+                    "scripts/gpu_check.sh runs this check where it is")
+    cuda_include = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include")
+    result = _run(["g++", "-std=c++17", "-fsyntax-only", f"-I{ROOT}", f"-I{os.path.dirname(header)}",
+                   f"-I{cuda_include}", "-I/usr/local/cuda/include",
+                   "cc/sparse24/cusparselt_abi_check.cc"])
+    assert result.returncode == 0, result.stderr[-3000:]
