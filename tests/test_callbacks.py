@@ -1,0 +1,153 @@
+"""Sparse24Callback: invariant, logs, dense warm-up, mask recomputation, resume, reuse."""
+
+import csv
+
+import numpy as np
+import pytest
+import keras
+
+import tf_sparse24 as ts
+from test_masks import reference_mask
+
+RNG = np.random.default_rng(2)
+X = RNG.normal(size=(64, 16)).astype("float32")
+Y = (X[:, :4].sum(axis=1) > 0).astype("int32")
+
+
+def pruned_mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(8),
+         keras.layers.Dense(2)]
+    )
+    return ts.prune(model)
+
+
+def compile_(model, optimizer):
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def masks(model):
+    return [pw.mask.numpy().copy() for layer in ts.pruned_layers(model) for pw in layer.pruned_weights]
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        lambda: keras.optimizers.Adam(0.01),
+        lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    ],
+    ids=["sgd_momentum", "adam", "adamw"],
+)
+def test_fit_keeps_exact_24_and_logs(optimizer, tmp_path):
+    model = pruned_mlp()
+    compile_(model, optimizer())
+    before = masks(model)
+    log = tmp_path / "log.csv"
+    history = model.fit(
+        X, Y, batch_size=16, epochs=2, verbose=0,
+        callbacks=[ts.Sparse24Callback(), keras.callbacks.CSVLogger(str(log))],
+    )
+    assert history.history["sparsity"] == [0.5, 0.5]
+    assert history.history["sparse24_valid"] == [1.0, 1.0]
+    with open(log) as f:
+        assert [row["sparsity"] for row in csv.DictReader(f)] == ["0.5", "0.5"]
+    for old, new in zip(before, masks(model)):
+        np.testing.assert_array_equal(old, new)
+    for layer in ts.pruned_layers(model):
+        for pw in layer.pruned_weights:
+            effective = np.asarray(layer.effective_weight(pw))
+            assert ts.is_nm_sparse(effective, "2:4", 0)
+            assert np.count_nonzero(effective) == effective.size // 2  # kept weights stay non-zero
+
+
+class Recorder(keras.callbacks.Callback):
+    """Snapshots (step, weights, masks) at every batch begin, after Sparse24Callback acted."""
+
+    def __init__(self):
+        super().__init__()
+        self.snapshots = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        layers = ts.pruned_layers(self.model)
+        self.snapshots.append(
+            (
+                int(self.model.optimizer.iterations),
+                [pw.variable.numpy().copy() for l in layers for pw in l.pruned_weights],
+                [pw.mask.numpy().copy() for l in layers for pw in l.pruned_weights],
+            )
+        )
+
+
+def test_dense_warmup_then_masks_at_start_step_then_periodic_updates():
+    model = pruned_mlp()
+    compile_(model, keras.optimizers.Adam(0.05))
+    recorder = Recorder()
+    cb = ts.Sparse24Callback(start_step=5, update_every=3)
+    history = model.fit(X, Y, batch_size=16, epochs=4, verbose=0, callbacks=[cb, recorder])
+    assert history.history["sparse24_valid"] == [0.0, 1.0, 1.0, 1.0]  # 4 steps/epoch: dense in epoch 0
+    assert history.history["sparsity"][0] == 0.0
+    previous = None
+    for step, weights, step_masks in recorder.snapshots:
+        if step < 5:
+            assert all(m.min() == 1.0 for m in step_masks), step
+        elif step == 5 or (step - 5) % 3 == 0:
+            for w, m in zip(weights, step_masks):
+                np.testing.assert_array_equal(m.astype(bool), reference_mask(w, 2, 4, 0))
+        else:
+            for m, p in zip(step_masks, previous):
+                np.testing.assert_array_equal(m, p)
+        previous = step_masks
+    changed = [
+        any(not np.array_equal(a, b) for a, b in zip(recorder.snapshots[i][2], recorder.snapshots[i - 3][2]))
+        for i in (8, 11, 14)
+    ]
+    assert any(changed)  # recomputation can move masks (pruned weights keep their values)
+
+
+@pytest.mark.parametrize("keep_optimizer", [True, False])
+def test_resume_with_initial_epoch_does_not_recompute(keep_optimizer):
+    model = pruned_mlp()
+    compile_(model, keras.optimizers.Adam(0.05))
+    model.fit(X, Y, batch_size=16, epochs=2, verbose=0, callbacks=[ts.Sparse24Callback(start_step=2)])
+    after_first = masks(model)
+    assert all(m.mean() == 0.5 for m in after_first)
+    if not keep_optimizer:  # e.g. weights restored from .weights.h5: optimizer.iterations is 0
+        compile_(model, keras.optimizers.Adam(0.05))
+    recorder = Recorder()
+    history = model.fit(
+        X, Y, batch_size=16, epochs=4, initial_epoch=2, verbose=0,
+        callbacks=[ts.Sparse24Callback(start_step=2), recorder],
+    )
+    assert history.history["sparse24_valid"] == [1.0, 1.0]
+    for _, _, step_masks in recorder.snapshots:
+        for m, first in zip(step_masks, after_first):
+            np.testing.assert_array_equal(m, first)
+
+
+def test_broken_invariant_fails_loudly_with_layer_name():
+    model = pruned_mlp()
+    compile_(model, "sgd")
+    wrapper = ts.pruned_layers(model)[1]
+    wrapper.pruned_weights[0].mask.assign(np.ones(wrapper.pruned_weights[0].mask.shape, "float32"))
+    with pytest.raises(RuntimeError, match=rf"{wrapper.name}/kernel \(16, 8\) is not 2:4"):
+        model.fit(X, Y, epochs=1, verbose=0, callbacks=[ts.Sparse24Callback()])
+
+
+def test_callback_is_reusable_and_validates():
+    cb = ts.Sparse24Callback()
+    first, second = pruned_mlp(0), keras.Sequential([keras.Input((16,)), ts.Sparse24(keras.layers.Dense(4))])
+    second.layers[0].update_masks()
+    for model in (first, second):
+        compile_(model, "sgd")
+        model.fit(X, Y, epochs=1, verbose=0, callbacks=[cb])
+    assert cb._layers == ts.pruned_layers(second)  # noqa: SLF001 - found the second model's layers
+    plain = keras.Sequential([keras.Input((16,)), keras.layers.Dense(2)])
+    compile_(plain, "sgd")
+    with pytest.raises(ValueError, match="has no Sparse24 layers"):
+        plain.fit(X, Y, epochs=1, verbose=0, callbacks=[cb])
+    with pytest.raises(ValueError, match="update_every=0"):
+        ts.Sparse24Callback(update_every=0)
+    with pytest.raises(ValueError, match="start_step=-1"):
+        ts.Sparse24Callback(start_step=-1)
