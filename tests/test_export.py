@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import keras
 import ml_dtypes
@@ -108,15 +107,8 @@ def mixed(tmp_path_factory):
     model.save(model_path)
     return {"model": model, "x": x, "y": y, "root": str(root), "data": data, "keras": model_path,
             "portable": os.path.join(root, "mixed", "1"),
+            "accelerated": os.path.join(root, "mixed_accelerated", "1"),
             "metadata": export(model, os.path.join(root, "mixed", "1"))}
-
-
-def run_python(script: str, *args: str) -> dict:
-    """Runs `script` in a fresh interpreter; returns the JSON it prints last."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=ENV,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # --- stock-TF decompression -----------------------------------------------------------------
@@ -207,55 +199,97 @@ def test_load_checks_and_serves(mixed):
     assert "mha/attention_output/kernel" in text and "variables/" in text
 
 
-def test_portable_serves_in_fresh_process_without_tf_sparse24(mixed):
-    result = run_python(
-        """
-        import json, sys
-        import numpy as np, tensorflow as tf
-        from tensorflow.core.protobuf import saved_model_pb2
-        export_dir, data = sys.argv[1], np.load(sys.argv[2])
-        loaded = tf.saved_model.load(export_dir)
-        fn = loaded.signatures["serving_default"]
-        out = fn(pixels=tf.constant(data["x"]))
-        batch1 = fn(pixels=tf.constant(data["x"][:1]))["logits"].numpy()
-        proto = saved_model_pb2.SavedModel()
-        proto.ParseFromString(open(export_dir + "/saved_model.pb", "rb").read())
-        ops, functions = set(), set()
-        for graph in proto.meta_graphs:
-            ops |= {node.op for node in graph.graph_def.node}
-            for f in graph.graph_def.library.function:
-                functions.add(f.signature.name)
-                ops |= {node.op for node in f.node_def}
-        ops -= functions
-        print(json.dumps({
-            "diff": float(np.abs(out["logits"].numpy() - data["y"]).max()),
-            "diff1": float(np.abs(batch1 - data["y"][:1]).max()),
-            "outputs": sorted(out),
-            "ops": len(ops),
-            "unregistered": sorted(op for op in ops if not hasattr(tf.raw_ops, op)),
-            "imported": sorted(m for m in sys.modules if m.startswith("tf_sparse24")),
-        }))
-        """,
-        mixed["portable"], mixed["data"],
-    )
+FRESH_SCRIPT = """
+import json, sys
+import numpy as np, tensorflow as tf
+from tensorflow.core.protobuf import saved_model_pb2
+
+portable_dir, data_path, accelerated_dir = sys.argv[1:]
+data = np.load(data_path)
+result = {}
+fn = tf.saved_model.load(portable_dir).signatures["serving_default"]
+out = fn(pixels=tf.constant(data["x"]))
+result["outputs"] = sorted(out)
+result["diff"] = float(np.abs(out["logits"].numpy() - data["y"]).max())
+result["diff1"] = float(np.abs(fn(pixels=tf.constant(data["x"][:1]))["logits"].numpy()
+                               - data["y"][:1]).max())
+proto = saved_model_pb2.SavedModel()
+proto.ParseFromString(open(portable_dir + "/saved_model.pb", "rb").read())
+ops, functions = set(), set()
+for graph in proto.meta_graphs:
+    ops |= {node.op for node in graph.graph_def.node}
+    for f in graph.graph_def.library.function:
+        functions.add(f.signature.name)
+        ops |= {node.op for node in f.node_def}
+ops -= functions
+result["ops"] = len(ops)
+result["unregistered"] = sorted(op for op in ops if not hasattr(tf.raw_ops, op))
+result["imported"] = sorted(m for m in sys.modules if m.startswith("tf_sparse24"))
+try:
+    tf.saved_model.load(accelerated_dir)
+    result["accelerated_without_import"] = "loaded"
+except Exception as e:
+    result["accelerated_without_import"] = str(e)
+import tf_sparse24
+loaded = tf_sparse24.load(accelerated_dir)
+out = loaded.signatures["serving_default"](pixels=tf.constant(data["x"]))
+result["accelerated_diff"] = float(np.abs(out["logits"].numpy() - data["y"]).max())
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh(mixed):
+    """Starts, side by side, a fresh interpreter serving both exports and `saved_model_cli run`."""
+    export(mixed["model"], mixed["accelerated"], mode="accelerated")
+    root = mixed["root"]
+    np.save(os.path.join(root, "x.npy"), mixed["x"])
+    cli = [os.path.join(BIN, "saved_model_cli"), "run", "--dir", mixed["portable"],
+           "--tag_set", "serve", "--signature_def", "serving_default",
+           "--inputs", f"pixels={os.path.join(root, 'x.npy')}", "--outdir", os.path.join(root, "cli")]
+    python = [sys.executable, "-c", FRESH_SCRIPT, mixed["portable"], mixed["data"],
+              mixed["accelerated"]]
+    procs = {name: subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, cwd=root)
+             for name, cmd in (("cli", cli), ("python", python))}  # fmt: skip
+    results = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=400)
+        results[name] = (proc.returncode, stdout, stderr[-3000:])
+    return results
+
+
+def fresh_result(fresh) -> dict:
+    returncode, stdout, stderr = fresh["python"]
+    assert returncode == 0, stderr
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_portable_serves_in_fresh_process_without_tf_sparse24(mixed, fresh):
+    result = fresh_result(fresh)
     assert result["imported"] == []
     assert result["outputs"] == ["logits"]
     assert result["diff"] < 1e-5 and result["diff1"] < 1e-5
+    # Every op of every function graph is registered by stock TensorFlow.
     assert result["ops"] > 10 and result["unregistered"] == []
     assert nonstock_ops(graph_ops(mixed["portable"])) == set()
 
 
-def test_saved_model_cli_runs_the_portable_export(mixed, tmp_path):
-    np.save(tmp_path / "x.npy", mixed["x"])
-    cli = os.path.join(BIN, "saved_model_cli")
-    proc = subprocess.run(
-        [cli, "run", "--dir", mixed["portable"], "--tag_set", "serve",
-         "--signature_def", "serving_default", "--inputs", f"pixels={tmp_path / 'x.npy'}",
-         "--outdir", str(tmp_path / "out")],
-        env=ENV, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    np.testing.assert_allclose(np.load(tmp_path / "out" / "logits.npy"), mixed["y"], atol=1e-5)
+def test_accelerated_needs_the_op_library_and_then_matches(mixed, fresh):
+    result = fresh_result(fresh)
+    assert "Op type not registered 'Sparse24" in result["accelerated_without_import"]
+    assert result["accelerated_diff"] < 1e-5
+    assert nonstock_ops(graph_ops(mixed["accelerated"])) == {"Sparse24MatMul", "Sparse24Decompress"}
+    kernels = {e["name"]: e["kernel"] for e in load(mixed["accelerated"]).sparse24_metadata["sparse"]}
+    assert [n for n, k in kernels.items() if k == "sparse24_matmul"] == ["hidden/kernel",
+                                                                         "logits/kernel"]
+
+
+def test_saved_model_cli_runs_the_portable_export(mixed, fresh):
+    returncode, _, stderr = fresh["cli"]
+    assert returncode == 0, stderr
+    got = np.load(os.path.join(mixed["root"], "cli", "logits.npy"))
+    np.testing.assert_allclose(got, mixed["y"], atol=1e-5)
 
 
 def test_stripped_model_exports_the_same_tensors(mixed, tmp_path):

@@ -40,23 +40,23 @@ def main(argv: list[str] | None = None) -> int:
     import keras  # noqa: PLC0415  (heavy imports after argument parsing, so --help is instant)
 
     import tf_sparse24  # noqa: F401, PLC0415  (registers the Sparse24 wrapper for load_model)
-    from tf_sparse24 import export as export_lib  # noqa: PLC0415
     from tf_sparse24 import metadata as md  # noqa: PLC0415
-    from tf_sparse24 import verify as verify_lib  # noqa: PLC0415
+    from tf_sparse24.export import export  # noqa: PLC0415
+    from tf_sparse24.verify import describe, verify  # noqa: PLC0415
 
     try:
         if args.command == "export":
             model = keras.saving.load_model(args.model, compile=False)
-            metadata = export_lib.export(model, args.export_dir, args.mode, args.overwrite)
+            metadata = export(model, args.export_dir, args.mode, args.overwrite)
             print(f"exported {len(metadata['sparse'])} compressed weights to {args.export_dir}")
-            print(verify_lib.describe(args.export_dir))
+            print(describe(args.export_dir))
         elif args.command == "inspect":
             if args.json:
                 print(md.dumps(md.read(args.export_dir)), end="")
             else:
-                print(verify_lib.describe(args.export_dir))
+                print(describe(args.export_dir))
         else:
-            report = verify_lib.verify(args.export_dir, against=args.against)
+            report = verify(args.export_dir, against=args.against)
             print(json.dumps(report, indent=1))
             print(f"OK: {args.export_dir}")
     except (ValueError, OSError) as e:  # ExportError is a ValueError; FileExistsError an OSError

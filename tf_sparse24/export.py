@@ -102,8 +102,7 @@ def export(
     export_dir = os.path.abspath(os.fspath(export_dir))
     if os.path.exists(export_dir) and not overwrite:
         raise FileExistsError(f"{export_dir} exists; pass overwrite=True to replace it")
-    if isinstance(model, keras.Sequential) and _is_functional(model):
-        model = keras.Model(model.inputs, model.outputs, name=model.name)  # a view, same layers
+    model = functional_view(model)
     specs = _input_specs(model, input_signature)
     sparse = _sparse_weights(model)
     if not sparse:
@@ -339,7 +338,8 @@ def _identifier(name: str | None, default: str) -> str:
     return name
 
 
-def _output_names(model: keras.Model, outputs) -> list[str]:
+def signature_output_names(model: keras.Model, outputs) -> list[str]:
+    """Signature keys of the model's flattened outputs: dict keys, else the output layer names."""
     if isinstance(outputs, dict):
         return [_identifier(k, f"output_{i}") for i, k in enumerate(sorted(outputs))]
     flat = keras.tree.flatten(outputs)
@@ -436,14 +436,14 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
                 mapping.append((s.mask, tf.ones(s.mask.shape, s.mask.dtype)))
         mapping += list(zip(dense_vars, (tf.identity(v) for v in module.dense)))
         with keras.StatelessScope(state_mapping=mapping):
-            structured = _structure_inputs(model, list(inputs))
+            structured = pack_inputs(model, list(inputs))
             outputs = serving_model(structured, training=False)
         flat = [outputs[k] for k in sorted(outputs)] if isinstance(outputs, dict) else (
             keras.tree.flatten(outputs)
         )
         return dict(zip(output_names, flat))
 
-    output_names = _output_names(model, _probe_outputs(model, specs))
+    output_names = signature_output_names(model, _probe_outputs(model, specs))
     serving = tf.function(serve, input_signature=specs, autograph=False)
     module.serve = serving
 
@@ -462,6 +462,13 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
     return metadata
 
 
+def functional_view(model: keras.Model) -> keras.Model:
+    """A Sequential model as a Functional one over the same layers (named outputs, cloneable)."""
+    if isinstance(model, keras.Sequential) and _is_functional(model):
+        return keras.Model(model.inputs, model.outputs, name=model.name)
+    return model
+
+
 def _is_functional(model: keras.Model) -> bool:
     try:
         return bool(model.inputs) and bool(model.outputs)
@@ -469,7 +476,8 @@ def _is_functional(model: keras.Model) -> bool:
         return False
 
 
-def _structure_inputs(model: keras.Model, inputs: list[tf.Tensor]):
+def pack_inputs(model: keras.Model, inputs: list[tf.Tensor]):
+    """Arranges flat signature inputs in the structure the model is called with."""
     try:
         return keras.tree.pack_sequence_as(model.input, inputs)
     except (AttributeError, ValueError):
@@ -482,7 +490,7 @@ def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec]):
         return model.output
     except (AttributeError, ValueError):
         symbolic = [keras.KerasTensor([1, *s.shape[1:]], s.dtype.name) for s in specs]
-        return model.compute_output_spec(_structure_inputs(model, symbolic))
+        return model.compute_output_spec(pack_inputs(model, symbolic))
 
 
 def _metadata(model, mode, specs, serving, sparse, kernel, dense_vars, dense_values) -> dict:

@@ -15,9 +15,18 @@ from typing import Any
 import keras
 import numpy as np
 
-from tf_sparse24 import export as export_lib
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
+from tf_sparse24.export import (
+    ACCELERATED_OPS,
+    SIGNATURE,
+    functional_view,
+    graph_ops,
+    load,
+    nonstock_ops,
+    pack_inputs,
+    signature_output_names,
+)
 from tf_sparse24.metadata import ExportError
 
 
@@ -46,15 +55,15 @@ def verify(
     Raises:
         ExportError: naming the tensor, op or output that failed.
     """
-    loaded = export_lib.load(export_dir)
+    loaded = load(export_dir)
     metadata = loaded.sparse24_metadata
     for entry, meta in zip(metadata["sparse"], loaded.sparse_meta):
         try:
             fmt.check_meta(meta.numpy(), entry["k"])
         except ValueError as e:
             raise ExportError(f"weight {entry['name']!r}: {e}") from e
-    extra = export_lib.nonstock_ops(export_lib.graph_ops(export_dir))
-    allowed = set() if metadata["mode"] == "portable" else set(export_lib.ACCELERATED_OPS)
+    extra = nonstock_ops(graph_ops(export_dir))
+    allowed = set() if metadata["mode"] == "portable" else set(ACCELERATED_OPS)
     if extra - allowed:
         raise ExportError(
             f"the {metadata['mode']} export uses ops that stock TensorFlow does not register: "
@@ -75,6 +84,7 @@ def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
     model = against
     if not isinstance(model, keras.Model):
         model = keras.saving.load_model(os.fspath(against), compile=False)
+    model = functional_view(model)
     rng = np.random.default_rng(seed)
     inputs = {}
     for name, spec in metadata["signature"]["inputs"].items():
@@ -84,10 +94,10 @@ def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
         inputs[name] = (rng.standard_normal(shape) if dtype.kind == "f" else np.zeros(shape)).astype(
             dtype
         )
-    served = loaded.signatures[export_lib.SIGNATURE](**inputs)
+    served = loaded.signatures[SIGNATURE](**inputs)
     flat_inputs = list(inputs.values())
-    expected = model(export_lib._structure_inputs(model, flat_inputs), training=False)  # noqa: SLF001
-    names = export_lib._output_names(model, expected)  # noqa: SLF001
+    expected = model(pack_inputs(model, flat_inputs), training=False)
+    names = signature_output_names(model, expected)
     flat = [expected[k] for k in sorted(expected)] if isinstance(expected, dict) else (
         keras.tree.flatten(expected)
     )
