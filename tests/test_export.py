@@ -395,6 +395,15 @@ def _flip_byte_of_first_tensor(target):
     _data_file(target).write_bytes(bytes(data))
 
 
+def _forge_checksum_everywhere(target):
+    """Changes one sha256 in the asset AND the copy embedded in saved_model.pb (same length)."""
+    sha = md.read(target)["dense"][0]["sha256"]
+    for path in (md.path_in(target), target / "saved_model.pb"):
+        data = open(path, "rb").read()
+        assert sha.encode() in data
+        open(path, "wb").write(data.replace(sha.encode(), b"0" * 64))
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -406,8 +415,10 @@ def _flip_byte_of_first_tensor(target):
         (lambda t: os.remove(md.path_in(t)), "not found"),
         (lambda t: _data_file(t).write_bytes(_data_file(t).read_bytes()[:1000]), "cannot load"),
         (_flip_byte_of_first_tensor, "tensor 'conv/kernel:values'"),
+        (_forge_checksum_everywhere, "checksum mismatch for tensor 'conv/bias'"),
     ],
-    ids=["bad-json", "format-v2", "schema", "edited-checksum", "missing", "truncated", "bit-flip"],
+    ids=["bad-json", "format-v2", "schema", "edited-checksum", "missing", "truncated", "bit-flip",
+         "forged-checksum"],
 )
 def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):
     target = _corrupt_copy(mixed, tmp_path, edit)

@@ -339,11 +339,21 @@ def _identifier(name: str | None, default: str) -> str:
 
 
 def signature_output_names(model: keras.Model, outputs) -> list[str]:
-    """Signature keys of the model's flattened outputs: dict keys, else the output layer names."""
+    """Signature keys of the model's flattened outputs: dict keys, else the output layer names.
+
+    A `Sparse24` wrapper's output is named after the wrapped layer, so pruning, stripping and
+    exporting keep the names of the original model.
+    """
+    from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
+
     if isinstance(outputs, dict):
         return [_identifier(k, f"output_{i}") for i, k in enumerate(sorted(outputs))]
     flat = keras.tree.flatten(outputs)
     names = list(getattr(model, "output_names", None) or [])
+    layers = {layer.name: layer for layer in getattr(model, "layers", [])}
+    names = [
+        layers[n].layer.name if isinstance(layers.get(n), Sparse24) else n for n in names
+    ]
     if len(names) != len(flat) or len(set(names)) != len(names):
         names = [f"output_{i}" for i in range(len(flat))]
     return [_identifier(n, f"output_{i}") for i, n in enumerate(names)]

@@ -1,0 +1,98 @@
+"""Tests of the command line `python -m tf_sparse24 export | inspect | verify`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sparse24
+from tf_sparse24 import metadata as md
+from tf_sparse24.__main__ import main
+
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A pruned (wrapped) model saved as .keras and exported by the CLI in a fresh process."""
+    root = tmp_path_factory.mktemp("cli")
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([
+        keras.Input((16,), name="features"),
+        keras.layers.Dense(32, activation="relu", name="hidden"),
+        keras.layers.Dense(8, name="scores"),
+    ])  # fmt: skip
+    model = tf_sparse24.prune(model)
+    keras_path = str(root / "model.keras")
+    model.save(keras_path)
+    export_dir = str(root / "served" / "1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_sparse24", "export", keras_path, export_dir],
+        env=ENV, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    return {"model": model, "keras": keras_path, "dir": export_dir, "proc": proc}
+
+
+def test_export_command_writes_a_loadable_export(exported):
+    proc = exported["proc"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"exported 2 compressed weights to {exported['dir']}" in proc.stdout
+    assert "hidden/kernel" in proc.stdout and "scores/kernel" in proc.stdout
+    x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    served = tf_sparse24.load(exported["dir"]).signatures["serving_default"]
+    got = served(features=tf.constant(x))["scores"].numpy()
+    np.testing.assert_allclose(got, exported["model"](x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_inspect_prints_the_table_and_the_json(exported, capsys):
+    assert main(["inspect", exported["dir"]]) == 0
+    out = capsys.readouterr().out
+    assert "mode portable" in out and "input  features: float32 [None, 16]" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("hidden/kernel"))
+    # 16x32 float32: values 32*8*4 B + meta 32*2 B = 1088 B of 2048 B dense.
+    assert row.split()[-3:] == ["1088", "2048", "0.531"]
+    assert main(["inspect", exported["dir"], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == md.read(exported["dir"])
+
+
+def test_verify_against_the_keras_file(exported, capsys):
+    assert main(["verify", exported["dir"], "--against", exported["keras"]]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[: out.rindex("}") + 1])
+    assert report["tensors"] == 2 * 2 + 2 and report["nonstock_ops"] == []
+    assert report["max_abs_diff"]["scores"] < 1e-5
+
+
+def test_verify_reports_a_corrupted_tensor(exported, tmp_path, capsys):
+    target = tmp_path / "1"
+    shutil.copytree(exported["dir"], target)
+    metadata_path = md.path_in(target)
+    with open(metadata_path) as f:
+        text = f.read()
+    sha = md.read(target)["sparse"][1]["meta"]["sha256"]
+    with open(metadata_path, "w") as f:
+        f.write(text.replace(sha, "f" * 64))
+    assert main(["verify", str(target)]) == 1
+    assert "differs from the metadata embedded" in capsys.readouterr().err
+
+
+def test_export_refuses_an_existing_directory(exported, capsys):
+    assert main(["export", exported["keras"], exported["dir"]]) == 1
+    assert "pass overwrite=True" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["export", "only-one-argument"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["verify", "x", "--mode", "fast"])
+    assert e.value.code == 2
