@@ -95,7 +95,10 @@ def gpu_compile_jobs(compile_flags: list[str], obj_dir: str, cxx: str = "g++",
 def gpu_link_flags() -> list[str]:
     # The CUDA runtime is linked statically: it must match the nvcc that built the kernels, not
     # the CUDA 12 runtime TensorFlow itself loads.
-    return [f"-L{cuda_home()}/lib64", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+    # Listed before TensorFlow's own libraries (whose cudart stub exports the same cuda* names)
+    # and kept private to this library (--exclude-libs), so every cuda* call binds to it.
+    return [f"-L{cuda_home()}/lib64", "-Wl,--exclude-libs,libcudart_static.a", "-lcudart_static",
+            "-ldl", "-lrt", "-lpthread"]
 
 
 def _isa_flags(path: str) -> list[str]:
@@ -144,7 +147,7 @@ class BuildTfOps(build_ext):
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             objects = list(pool.map(run, jobs))
-        link = [cxx, "-shared", *objects, "-o", out_path, *link_flags, *extra_link,
+        link = [cxx, "-shared", *objects, "-o", out_path, *extra_link, *link_flags,
                 f"-Wl,-rpath,{tf_dir}"]
         print(" ".join(shlex.quote(c) for c in link), flush=True)
         subprocess.run(link, check=True, cwd=ROOT)

@@ -319,22 +319,28 @@ std::string fmt(const char* f, ...) {
 // ---------------------------------------------------------------------------------------------
 // The three matmul paths on one Problem.
 
+// cuSPARSELt operand + plan for one Problem. A library refusal is a result (error is set and the
+// caller records a failed check), so one unsupported shape does not end the whole run.
 struct LtRunner {
   gpu::LtContext* ctx;
   gpu::LtSparseOperand operand;
   gpu::LtMatmulPlan plan;
   Buf compressed, workspace;
   int64_t m_pad;
+  std::string error;
   LtRunner(gpu::LtContext* c, const Problem& p) : ctx(c), m_pad(gpu::lt_padded_rows(p.M)) {
     Buf wt(p.N * p.K * esize(p.t));
     wt.poison();
     CUDA_OK(gpu::decompress(p.t, p.values.p, p.meta.get<uint8_t>(), p.K, p.N, true, wt.p, 0));
-    LT_OK(operand.init(ctx, p.t, p.K, p.N));
+    error = operand.init(ctx, p.t, p.K, p.N);
+    if (!error.empty()) return;
     compressed = Buf(operand.compressed_bytes());
     Buf scratch(operand.scratch_bytes());
-    LT_OK(operand.compress(wt.p, compressed.p, scratch.p, 0));
+    error = operand.compress(wt.p, compressed.p, scratch.p, 0);
+    if (!error.empty()) return;
     CUDA_OK(cudaDeviceSynchronize());
-    LT_OK(plan.init(ctx, p.t, m_pad, p.K, p.N));
+    error = plan.init(ctx, p.t, m_pad, p.K, p.N);
+    if (!error.empty()) return;
     workspace = Buf(plan.workspace_bytes());
   }
 };
@@ -437,6 +443,7 @@ void check_matmul(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int
           fmt("cuBLAS dense rel err %.2e, unwritten %ld, ", c.rel_err, (long)c.bad_outputs) + shape);
   if (!gpu::lt_unsupported_reason(t, K, N).empty()) return;
   LtRunner lt(ctx, p);
+  if (!lt.error.empty()) return verdict(false, "cuSPARSELt refused " + shape + ": " + lt.error);
   // cuSPARSELt sees x padded to m_pad rows (pad rows random too: they must not leak into y).
   Buf xp(lt.m_pad * K * esize(t)), yp(lt.m_pad * N * esize(t));
   fill_dense<<<grid_for(lt.m_pad * K), 256>>>(t, xp.p, lt.m_pad * K, next_seed());
@@ -507,7 +514,7 @@ Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, 
   std::vector<Problem> ps;  // x has m_pad rows; cuBLAS uses and the check reads the first M
   ps.reserve(copies);
   std::vector<std::unique_ptr<LtRunner>> lts;
-  std::vector<Buf> xs, ys;
+  std::vector<Buf> ys;
   for (int c = 0; c < copies; ++c) {
     ps.emplace_back(t, m_pad, K, N);
     if (ps.back().compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
@@ -515,7 +522,15 @@ Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, 
     ys.emplace_back(m_pad * N * es);
   }
   CUDA_OK(cudaDeviceSynchronize());
-  Row row{dname(t), M, K, N, 0, 0, 0, 0, -1};
+  Row row{dname(t), M, K, N, 0, NAN, NAN, NAN, -1};
+  row.dense_ms = time_ms([&](int i) { cublas_run(cb, ps[i], M, ps[i].w.p, ps[i].x.p, ys[i].p); },
+                         copies, warmup, reps);
+  for (auto& lt : lts) {
+    if (lt->error.empty()) continue;
+    verdict(false, fmt("bench shape %s M=%ld K=%ld N=%ld: cuSPARSELt refused it: ", dname(t),
+                       (long)M, (long)K, (long)N) + lt->error);
+    return row;
+  }
   // Correctness of this very shape: cuSPARSELt output, poisoned first, against float64.
   ys[0].poison();
   LT_OK(lts[0]->plan.run(lts[0]->compressed.p, ps[0].x.p, ys[0].p, lts[0]->workspace.p, 0));
@@ -525,21 +540,30 @@ Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, 
   verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
           fmt("bench shape %s M=%ld K=%ld N=%ld: cuSPARSELt rel err %.2e on %d rows, unwritten %ld",
               dname(t), (long)M, (long)K, (long)N, c.rel_err, check_rows, (long)c.bad_outputs));
-  row.dense_ms = time_ms([&](int i) { cublas_run(cb, ps[i], M, ps[i].w.p, ps[i].x.p, ys[i].p); },
-                         copies, warmup, reps);
   auto lt_launch = [&](int i) {
     LT_OK(lts[i]->plan.run(lts[i]->compressed.p, ps[i].x.p, ys[i].p, lts[i]->workspace.p, 0));
   };
   row.lt_ms = time_ms(lt_launch, copies, warmup, reps);
-  // Search on copy 0, then use the same configuration on every copy (re-planned identically).
-  int config = -1;
-  LT_OK(lts[0]->plan.search(lts[0]->compressed.p, ps[0].x.p, ys[0].p, lts[0]->workspace.p, 0, &config));
-  for (int i = 1; i < copies; ++i) {
-    int other = -1;
-    LT_OK(lts[i]->plan.search(lts[i]->compressed.p, ps[i].x.p, ys[i].p, lts[i]->workspace.p, 0, &other));
+  // cusparseLtMatmulSearch on every copy's plan (copy 0's chosen configuration is reported).
+  for (int i = 0; i < copies; ++i) {
+    int config = -1;
+    const std::string error = lts[i]->plan.search(lts[i]->compressed.p, ps[i].x.p, ys[i].p,
+                                                  lts[i]->workspace.p, 0, &config);
+    if (!error.empty()) {
+      verdict(false, fmt("bench shape %s M=%ld K=%ld N=%ld: ", dname(t), (long)M, (long)K, (long)N) + error);
+      return row;
+    }
+    if (i == 0) row.config = config;
+    lts[i]->workspace = Buf(lts[i]->plan.workspace_bytes());
   }
-  for (auto& lt : lts) lt->workspace = Buf(lt->plan.workspace_bytes());
-  row.config = config;
+  // The searched configuration must compute the same product.
+  ys[0].poison();
+  LT_OK(lts[0]->plan.run(lts[0]->compressed.p, ps[0].x.p, ys[0].p, lts[0]->workspace.p, 0));
+  CUDA_OK(cudaDeviceSynchronize());
+  c = check_product(ps[0], ys[0], M, check_rows);
+  verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
+          fmt("bench shape %s M=%ld K=%ld N=%ld: searched config %d rel err %.2e, unwritten %ld",
+              dname(t), (long)M, (long)K, (long)N, row.config, c.rel_err, (long)c.bad_outputs));
   row.lt_search_ms = time_ms(lt_launch, copies, warmup, reps);
   return row;
 }

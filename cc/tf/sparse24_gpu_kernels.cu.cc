@@ -192,6 +192,7 @@ bool TrustWeightAddress() {
 }
 
 constexpr size_t kMaxCachedWeights = 8;
+constexpr size_t kMaxPlans = 64;  // one per (padded batch size, K, N, device)
 
 template <typename T>
 class Sparse24MatMulGpuOp : public OpKernel {
@@ -350,6 +351,7 @@ class Sparse24MatMulGpuOp : public OpKernel {
                              error, "); Sparse24MatMul runs a plain CUDA kernel for it"));
         return absl::UnimplementedError(error);
       }
+      if (plans_.size() >= kMaxPlans) plans_.clear();  // many batch sizes: start over
       plan_it = plans_.emplace(key, std::move(plan)).first;
     }
     CachedWeight* weight = nullptr;
