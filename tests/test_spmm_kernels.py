@@ -1,6 +1,6 @@
 """Kernel-level tests of the C++ SpMM core (cc/sparse24/spmm*.cc), every ISA variant forced.
 
-The core is compiled once per session into a small shared library (cc/sparse24/spmm_ctypes_test.cc
+The core is compiled (once per source version, cached under build/) into a small shared library (cc/sparse24/spmm_ctypes_test.cc
 gives it C entry points) and driven with ctypes, so odd cases the TF op never passes (row strides,
 M=0, uneven thread splits) are covered too. The reference is numpy float64 on the decompressed
 matrix (tf_sparse24.format, the format's definition).
@@ -13,7 +13,9 @@ import ctypes
 import glob
 import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -39,14 +41,17 @@ def _sources() -> list[str]:
     return srcs + [os.path.join(ROOT, "cc", "sparse24", "cpu_features.cc")]
 
 
-@pytest.fixture(scope="session")
-def core(tmp_path_factory) -> ctypes.CDLL:
+def _build(out_dir: str) -> str:
+    """Compiles the core into out_dir/libspmm_<source hash>.so once (reused while sources match)."""
     srcs = _sources()
     digest = hashlib.sha1(b"".join(open(s, "rb").read() for s in srcs)).hexdigest()[:12]
-    out = tmp_path_factory.mktemp("spmm_core")
+    lib_path = os.path.join(out_dir, f"libspmm_{digest}.so")
+    if os.path.exists(lib_path):
+        return lib_path
+    tmp = tempfile.mkdtemp(dir=out_dir)
 
     def compile_one(src: str) -> str:
-        obj = str(out / (os.path.basename(src) + ".o"))
+        obj = os.path.join(tmp, os.path.basename(src) + ".o")
         flags = next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
         cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-Wall", *flags, f"-I{ROOT}", "-c", src, "-o", obj]
         subprocess.run(cmd, check=True, capture_output=True)
@@ -54,9 +59,18 @@ def core(tmp_path_factory) -> ctypes.CDLL:
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         objs = list(pool.map(compile_one, srcs))
-    lib_path = str(out / f"libspmm_{digest}.so")
-    subprocess.run(["g++", "-shared", *objs, "-o", lib_path, "-lpthread"], check=True)
-    lib = ctypes.CDLL(lib_path)
+    subprocess.run(["g++", "-shared", *objs, "-o", os.path.join(tmp, "lib.so"), "-lpthread"],
+                   check=True)
+    os.replace(os.path.join(tmp, "lib.so"), lib_path)  # atomic: parallel workers may race here
+    shutil.rmtree(tmp, ignore_errors=True)
+    return lib_path
+
+
+@pytest.fixture(scope="session")
+def core() -> ctypes.CDLL:
+    out_dir = os.path.join(ROOT, "build", "spmm_core_test")
+    os.makedirs(out_dir, exist_ok=True)
+    lib = ctypes.CDLL(_build(out_dir))
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.sparse24_test_spmm.argtypes = [ctypes.c_int, ctypes.c_int, vp, i64, vp, vp, i64, i64, i64,
                                        vp, i64, ctypes.c_int]

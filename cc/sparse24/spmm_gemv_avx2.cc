@@ -1,14 +1,16 @@
 // AVX2 GEMV-like SpMM kernel for a few rows of x (M <= 4): memory-bound, so it streams the values
 // and meta once, in storage order, and gathers x in registers.
 //
-// Per column and 16 k (4 groups, 8 kept values, 2 meta bytes): the 16-bit meta is broadcast and
-// shifted per lane into vpermilps controls (vpermilps reads only the low 2 bits, so no mask), x's
-// two 8-float halves [g0|g1] and [g2|g3] are permuted within their 128-bit lanes and blended into
-// [g0 g0 g2 g2 g1 g1 g3 g3] order, and the 8 values are put in the same order with one vpermpd
-// (shared by all rows). Then one FMA per row.
+// x is first copied with each 16-float chunk's groups reordered [g0 g2 | g1 g3] (x is the
+// activation; a few KiB). Per column and chunk (4 groups, 8 kept values, 2 meta bytes): the
+// 16-bit meta is broadcast and shifted per lane into vpermilps controls (vpermilps reads only the
+// low 2 bits, so no mask); vpermilps picks g0's kept pair into lanes 0-1 and g2's into 4-5 of the
+// first half, g1's into 2-3 and g3's into 6-7 of the second; one blend gives the kept x in the
+// values' own order. Then one FMA per row.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <memory>
 
 #include "cc/sparse24/spmm_kernels.h"
 
@@ -36,31 +38,36 @@ inline float hsum(__m256 v) {
 }
 
 template <int ROWS>
-void columns(const SpmmWork& w, int64_t n0, int64_t n1) {
+void columns(const SpmmWork& w, const float* xs, int64_t n0, int64_t n1) {
   const int64_t half_k = w.K / 2, meta_row = (w.K + 7) / 8;
-  const int64_t chunks = w.K / 16, groups = w.K / 4;
-  const __m256i shifts = _mm256_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14);
+  const int64_t chunks = w.K / 16, groups = w.K / 4, lds = 16 * chunks;
+  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t v0 = n * half_k;
     const uint8_t* meta = w.meta + n * meta_row;
-    __m256 acc[2][ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 v = _mm256_castpd_ps(_mm256_permute4x64_pd(
-          _mm256_castps_pd(load8_values(w.dtype, w.values, v0 + 8 * c)), 0xD8));
+    __m256 acc0[ROWS], acc1[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    auto step = [&](int64_t c, __m256(&acc)[ROWS]) {
+      const __m256 v = load8_values(w.dtype, w.values, v0 + 8 * c);
       const uint32_t bits = meta[2 * c] | (static_cast<uint32_t>(meta[2 * c + 1]) << 8);
       const __m256i ctrl = _mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts);
 #pragma GCC unroll 4
       for (int r = 0; r < ROWS; ++r) {
-        const float* x = w.x + r * w.ldx + 16 * c;
+        const float* x = xs + r * lds + 16 * c;
         const __m256 lo = _mm256_permutevar_ps(_mm256_loadu_ps(x), ctrl);
         const __m256 hi = _mm256_permutevar_ps(_mm256_loadu_ps(x + 8), ctrl);
-        acc[c & 1][r] = _mm256_fmadd_ps(v, _mm256_blend_ps(lo, hi, 0xCC), acc[c & 1][r]);
+        acc[r] = _mm256_fmadd_ps(v, _mm256_blend_ps(lo, hi, 0xCC), acc[r]);
       }
+    };
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+      step(c, acc0);
+      step(c + 1, acc1);
     }
+    if (c < chunks) step(c, acc0);
     for (int r = 0; r < ROWS; ++r) {
       const float* x = w.x + r * w.ldx;
-      float sum = hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
+      float sum = hsum(_mm256_add_ps(acc0[r], acc1[r]));
       for (int64_t g = 4 * chunks; g < groups; ++g) {  // up to 3 trailing groups
         const unsigned b = meta[g >> 1] >> ((g & 1) * 4);
         sum += load_f32(w.dtype, w.values, v0 + 2 * g) * x[4 * g + (b & 3u)];
@@ -74,16 +81,28 @@ void columns(const SpmmWork& w, int64_t n0, int64_t n1) {
 }  // namespace
 
 void spmm_gemv_avx2(const SpmmWork& w, int64_t n0, int64_t n1) {
+  const int64_t lds = w.K / 16 * 16;
+  std::unique_ptr<float[]> xs(new float[kMaxRows * lds + 1]);
   for (int64_t m0 = 0; m0 < w.M; m0 += kMaxRows) {  // the dispatcher sends M <= kMaxRows
     SpmmWork rows = w;
     rows.x = w.x + m0 * w.ldx;
     rows.y = static_cast<char*>(w.y) + m0 * w.ldy * dtype_size(w.dtype);
     rows.M = std::min<int64_t>(kMaxRows, w.M - m0);
+    for (int64_t r = 0; r < rows.M; ++r) {  // chunk [g0 g1 g2 g3] -> [g0 g2 g1 g3]
+      for (int64_t c = 0; c < lds; c += 16) {
+        const float* src = rows.x + r * w.ldx + c;
+        float* dst = xs.get() + r * lds + c;
+        _mm_storeu_ps(dst, _mm_loadu_ps(src));
+        _mm_storeu_ps(dst + 4, _mm_loadu_ps(src + 8));
+        _mm_storeu_ps(dst + 8, _mm_loadu_ps(src + 4));
+        _mm_storeu_ps(dst + 12, _mm_loadu_ps(src + 12));
+      }
+    }
     switch (rows.M) {
-      case 1: columns<1>(rows, n0, n1); break;
-      case 2: columns<2>(rows, n0, n1); break;
-      case 3: columns<3>(rows, n0, n1); break;
-      default: columns<4>(rows, n0, n1); break;
+      case 1: columns<1>(rows, xs.get(), n0, n1); break;
+      case 2: columns<2>(rows, xs.get(), n0, n1); break;
+      case 3: columns<3>(rows, xs.get(), n0, n1); break;
+      default: columns<4>(rows, xs.get(), n0, n1); break;
     }
   }
 }

@@ -1,0 +1,112 @@
+"""Sparse24MatMul vs dense tf.linalg.matmul on the same 2:4 matrix, side by side in one process.
+
+Prints median milliseconds of each (calls interleaved, so load on the machine hits both alike), the
+ratio dense / sparse, and the goal of issue 5 beside it, for float32 and bfloat16:
+
+    .venv/bin/python bench/matmul.py            # full table (about 3 minutes on 2 cores)
+    .venv/bin/python bench/matmul.py --quick    # fewer repeats, M=2048 skipped (about 30 s)
+    .venv/bin/python bench/matmul.py --isa avx2 --dtypes float32 --shapes 1x4096x4096
+
+Also prints each side's GFLOP/s (dense counts all 2*M*K*N flops, sparse the useful half) and the
+weight-read bandwidth of the dense GEMV row, the machine figures docs/KERNELS.md reasons with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tf_sparse24 import ops  # noqa: E402
+
+# (M, K, N): goal ratio for float32, bfloat16 (issue 5).
+GOALS = {
+    (1, 4096, 4096): (1.7, 1.5),
+    (16, 4096, 4096): (1.6, 1.4),
+    (256, 4096, 4096): (1.4, 1.2),
+    (2048, 4096, 4096): (1.3, 1.0),
+    (32, 768, 3072): (1.4, 1.2),
+    (32, 3072, 768): (1.4, 1.2),
+}
+
+
+def _time_pair(dense, sparse, budget_s: float, min_reps: int, max_reps: int):
+    """Median seconds of two callables, called alternately after one warm-up each."""
+    dense(), sparse()
+    td, ts = [], []
+    start = time.perf_counter()
+    while len(td) < max_reps and (len(td) < min_reps or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        dense()
+        t1 = time.perf_counter()
+        sparse()
+        t2 = time.perf_counter()
+        td.append(t1 - t0)
+        ts.append(t2 - t1)
+    return float(np.median(td)), float(np.median(ts)), len(td)
+
+
+def _random_2to4(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    drop = np.argsort(rng.random((k // 4, 4, n)), axis=1)[:, :2]  # 2 random zeros per group
+    np.put_along_axis(w.reshape(k // 4, 4, n), drop, 0.0, axis=1)
+    return w
+
+
+def run(shapes, dtypes, quick: bool) -> None:
+    rng = np.random.default_rng(0)
+    print(f"TF {tf.__version__}, kernel variant: {ops.cpu_isa()}, "
+          f"intra-op threads: {tf.config.threading.get_intra_op_parallelism_threads() or 'auto'}")
+    header = (f"{'M x K x N':>18} {'dtype':>8} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} "
+              f"{'goal':>5} {'met':>3} {'dense GF/s':>10} {'sparse GF/s':>11} {'reps':>4}")
+    print(header)
+    print("-" * len(header))
+    for dtype in dtypes:
+        tf_dtype = tf.as_dtype(dtype)
+        for m, k, n in shapes:
+            w32 = _random_2to4(rng, k, n)
+            w = tf.cast(tf.constant(w32), tf_dtype)
+            values, meta = ops.sparse24_compress(w)
+            x = tf.cast(tf.constant(rng.standard_normal((m, k)).astype(np.float32)), tf_dtype)
+            dense_fn = tf.function(lambda a, b: tf.linalg.matmul(a, b))
+            sparse_fn = tf.function(lambda a, v, s: ops.sparse24_matmul(a, v, s))
+            flops = 2.0 * m * k * n
+            budget = (2.0 if quick else 8.0) if flops < 1e10 else (4.0 if quick else 15.0)
+            td, ts, reps = _time_pair(lambda: dense_fn(x, w).numpy(),
+                                      lambda: sparse_fn(x, values, meta).numpy(),
+                                      budget, 3 if quick else 5, 30 if quick else 200)
+            goal = GOALS.get((m, k, n), (None, None))[0 if dtype == "float32" else 1]
+            ratio = td / ts
+            met = "-" if goal is None else ("yes" if ratio >= goal else "no")
+            goal_s = "-" if goal is None else f"{goal:.1f}"
+            print(f"{f'{m}x{k}x{n}':>18} {dtype:>8} {td * 1e3:9.2f} {ts * 1e3:9.2f} {ratio:6.2f} "
+                  f"{goal_s:>5} {met:>3} {flops / td / 1e9:10.1f} {flops / 2 / ts / 1e9:11.1f} "
+                  f"{reps:4d}", flush=True)
+            if m == 1 and dtype == "float32":
+                print(f"{'':>18} dense GEMV reads W at {k * n * 4 / td / 1e9:.1f} GB/s; sparse reads "
+                      f"values+meta at {(k * n * 2 + n * k // 8) / ts / 1e9:.1f} GB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats; skip M=2048")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--shapes", default=None, help="comma-separated MxKxN (default: the goals)")
+    parser.add_argument("--isa", default=None, choices=ops.CPU_ISAS, help="force a kernel variant")
+    args = parser.parse_args()
+    if args.isa:
+        ops.set_cpu_isa(args.isa)
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    else:
+        shapes = [s for s in GOALS if not (args.quick and s[0] >= 2048)]
+    run(shapes, args.dtypes.split(","), args.quick)
+
+
+if __name__ == "__main__":
+    main()
