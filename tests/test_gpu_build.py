@@ -118,6 +118,21 @@ def test_gpu_objects_hold_the_kernels(build: dict) -> None:
     assert "compress_kernel" in _run(["nm", "-C", kernels]).stdout
 
 
+def test_gpu_objects_link_with_a_private_cuda_runtime(build: dict) -> None:
+    """setup.py's GPU link flags leave no cuda* symbol to TensorFlow's CUDA 12 runtime stub."""
+    import tensorflow as tf
+
+    setup = build["setup"]
+    lib = str(build["dir"] / "gpu_only.so")
+    objects = [o for name, o in build["objects"].items() if name != "gpu_check.o"]
+    link = _run(["g++", "-shared", *objects, "-o", lib, *setup.gpu_link_flags(),
+                 *tf.sysconfig.get_link_flags()])
+    assert link.returncode == 0, link.stderr[-3000:]
+    dynamic = _run(["nm", "-D", lib]).stdout.splitlines()
+    assert not [line for line in dynamic if " cuda" in line], "cuda* symbols left to the loader"
+    assert any("Sparse24MatMulGpuOp" in line for line in _run(["nm", "-C", lib]).stdout.splitlines())
+
+
 def _stub_library(directory, soname: str, symbols: list[str]) -> str:
     """A shared library exporting `symbols` (each a function returning 0)."""
     os.makedirs(directory, exist_ok=True)
