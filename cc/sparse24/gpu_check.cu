@@ -406,6 +406,27 @@ void check_format(DType t, int64_t K, int64_t N) {
     verdict(got[0] == static_cast<unsigned long long>(n * (K / 4) + 1),
             fmt("check_meta names row n=%ld group g=1 (got index %llu), ", (long)n, got[0]) + shape);
   }
+  // Fingerprint (the op's cache key): equal for equal bytes at another address, different after
+  // one value byte changes.
+  auto fingerprint = [&](const Buf& v, const Buf& m) {
+    Buf sum(sizeof(unsigned long long));
+    CUDA_OK(cudaMemset(sum.p, 0, sum.bytes));
+    CUDA_OK(gpu::fingerprint_add(v.p, v.bytes, 1, sum.get<unsigned long long>(), 0));
+    CUDA_OK(gpu::fingerprint_add(m.p, m.bytes, 2, sum.get<unsigned long long>(), 0));
+    unsigned long long h;
+    CUDA_OK(cudaMemcpy(&h, sum.p, sizeof(h), cudaMemcpyDeviceToHost));
+    return h;
+  };
+  {
+    Buf v2(p.values.bytes), m2(p.meta.bytes);
+    CUDA_OK(cudaMemcpy(v2.p, p.values.p, v2.bytes, cudaMemcpyDeviceToDevice));
+    CUDA_OK(cudaMemcpy(m2.p, p.meta.p, m2.bytes, cudaMemcpyDeviceToDevice));
+    const unsigned long long same = fingerprint(p.values, p.meta), copy = fingerprint(v2, m2);
+    const uint8_t flip = 0x01;
+    CUDA_OK(cudaMemcpy(v2.get<uint8_t>() + v2.bytes - 1, &flip, 1, cudaMemcpyHostToDevice));
+    const unsigned long long changed = fingerprint(v2, m2);
+    verdict(same == copy && changed != same, "fingerprint: same bytes -> same, one byte changed -> differs, " + shape);
+  }
   // Non-2:4 input: three non-zeros in two groups; the first in memory order (g, n) is reported.
   const int64_t g_a = K / 4 - 1, n_a = N - 1, g_b = K / 4 - 1, n_b = N / 3;
   for (auto [g, n] : {std::pair<int64_t, int64_t>{g_a, n_a}, {g_b, n_b}}) {
