@@ -76,10 +76,12 @@ fi
 if [[ -z "${GPU_CHECK_BIN:-}" && ! -x "$NVCC" ]]; then echo "gpu_check: nvcc not found (set NVCC or CUDA_HOME)"; exit 3; fi
 
 mkdir -p "$BUILD" "$LOG_DIR"
-if [[ -n "$LT_HEADER" ]]; then
-  # Our own declarations of the cuSPARSELt API (cc/sparse24/cusparselt.h) against the real header.
-  g++ -std=c++17 -fsyntax-only -I. -I"$(dirname "$LT_HEADER")" -I"$CUDA_HOME/include" \
-      cc/sparse24/cusparselt_abi_check.cc
+CXX=${CXX:-g++}
+if [[ -n "$LT_HEADER" ]] && command -v "$CXX" >/dev/null; then
+  # Our own declarations of the cuSPARSELt API (cc/sparse24/cusparselt.h) against the real header;
+  # a mismatch stops here, before anything calls the library through wrong declarations.
+  "$CXX" -std=c++17 -fsyntax-only -I. -I"$(dirname "$LT_HEADER")" -I"$CUDA_HOME/include" \
+      -I"$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include" cc/sparse24/cusparselt_abi_check.cc
   echo "cusparselt ABI check: ok (cc/sparse24/cusparselt.h matches $LT_HEADER)"
 fi
 HARNESS=${GPU_CHECK_BIN:-$BUILD/gpu_check}  # GPU_CHECK_BIN: a prebuilt harness (tests use it)
