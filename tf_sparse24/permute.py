@@ -1,0 +1,592 @@
+"""Channel permutations that raise the magnitude a 2:4 mask keeps (Pool & Yu, NeurIPS 2021).
+
+2:4 keeps the 2 largest of every 4 consecutive input channels, so which channels share a group
+matters: reordering a layer's input channels (and, to keep the network's function unchanged, the
+output channels of the layer that produces them) lets large weights avoid competing with each other.
+
+Two parts:
+- `search_permutation(weight, axis)`: pure numpy search for a channel order. Simulated annealing
+  over channel swaps (each proposal scored in O(1) from a table of "stripe with one channel
+  replaced" magnitudes), then an exact local search that re-partitions two or three 4-channel
+  stripes at a time (apex ASP's "optimize stripe groups" neighbourhood), repeated until no gain.
+- `permute(model)`: applies searches to a Keras Functional/Sequential model, permuting each
+  eligible layer's input channels together with its producer's output channels (kernel columns,
+  bias, BatchNormalization parameters in between), and reports per-layer gains and skip reasons.
+
+Metric (apex ASP's `permutation_tests`): efficacy = (lost_plain - lost_permuted) /
+(lost_plain - lost_rows50), where "lost" is the magnitude 2:4 discards and lost_rows50 is what
+keeping the top 50% of each row discards. ASP's matrix is `[filters, channels]` with groups of 4
+along channels; a Keras kernel is `[channels, filters]`, so ASP's rows are our output channels (and,
+for convolutions, every spatial tap x output channel). `permutation_efficacy` uses ASP's
+orientation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import numpy as np
+
+_EPS = 1e-6  # gains below this (in summed |w|) are noise: stop searching
+
+
+# ----------------------------------------------------------------------------------------------
+# Metric helpers (ASP orientation: matrix [rows, channels], groups of 4 along channels).
+
+
+def kept_magnitude(matrix: np.ndarray, permutation: np.ndarray | None = None) -> float:
+    """Sum of |w| that 2:4 keeps in `matrix` `[rows, channels]` (groups of 4 along channels)."""
+    a = np.abs(np.asarray(matrix, dtype=np.float64))
+    if permutation is not None:
+        a = a[:, permutation]
+    if a.ndim != 2 or a.shape[1] % 4:
+        raise ValueError(f"Expected a [rows, channels] matrix with channels % 4 == 0. Received: shape={a.shape}")
+    groups = np.sort(a.reshape(a.shape[0], -1, 4), axis=-1)
+    return float(groups[..., 2:].sum())
+
+
+def permutation_efficacy(matrix: np.ndarray, permutation: np.ndarray) -> float:
+    """ASP's efficacy (percent) of `permutation` on `matrix` `[rows, channels]`.
+
+    0 = no better than plain 2:4, 100 = as good as keeping the top half of every row.
+    """
+    a = np.abs(np.asarray(matrix, dtype=np.float64))
+    total = a.sum()
+    lost_plain = total - kept_magnitude(a)
+    lost_perm = total - kept_magnitude(a, permutation)
+    lost_rows = total - np.sort(a, axis=1)[:, a.shape[1] // 2 :].sum()
+    if lost_plain - lost_rows <= 0:
+        return 100.0 if lost_perm <= lost_plain else 0.0
+    return float(100.0 * (lost_plain - lost_perm) / (lost_plain - lost_rows))
+
+
+def channel_matrix(weight: np.ndarray, axis: int) -> np.ndarray:
+    """`weight` as `[rows, channels]` with `axis` as channels (ASP's orientation)."""
+    w = np.asarray(weight)
+    return np.moveaxis(w, axis, -1).reshape(-1, w.shape[axis])
+
+
+# ----------------------------------------------------------------------------------------------
+# Search.
+
+
+def _top2_sum(at: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Kept magnitude (sum over rows of the top 2 of 4) of every 4-channel group.
+
+    Args:
+        at: `[channels, rows]` float32 magnitudes (channel-major, so a gather reads whole rows).
+        groups: int array `[..., 4]` of channel indices.
+    """
+    flat = groups.reshape(-1, 4)
+    out = np.empty(len(flat), dtype=np.float64)
+    for start in range(0, len(flat), 1024):  # chunks small enough to stay in cache
+        g = flat[start : start + 1024]
+        x0, x1, x2, x3 = at[g[:, 0]], at[g[:, 1]], at[g[:, 2]], at[g[:, 3]]
+        hi01, lo01 = np.maximum(x0, x1), np.minimum(x0, x1)
+        hi23, lo23 = np.maximum(x2, x3), np.minimum(x2, x3)
+        second = np.maximum(np.minimum(hi01, hi23), np.maximum(lo01, lo23))
+        out[start : start + len(g)] = np.maximum(hi01, hi23).sum(-1, dtype=np.float64) + second.sum(
+            -1, dtype=np.float64
+        )
+    return out.reshape(groups.shape[:-1])
+
+
+@functools.cache
+def _partitions(stripes: int) -> tuple[np.ndarray, np.ndarray]:
+    """All ways to split `4 * stripes` channels into groups of 4.
+
+    Returns `(subsets [S, 4], partitions [P, stripes])`: every 4-subset of positions, and every
+    partition as indices into `subsets`; partition 0 is the identity split.
+    """
+    n = 4 * stripes
+    subsets = list(itertools.combinations(range(n), 4))
+    index = {s: i for i, s in enumerate(subsets)}
+    partitions = []
+
+    def split(rest: tuple[int, ...], acc: list[int]) -> None:
+        if not rest:
+            partitions.append(acc)
+            return
+        for others in itertools.combinations(rest[1:], 3):
+            group = (rest[0], *others)
+            split(tuple(c for c in rest if c not in group), acc + [index[group]])
+
+    split(tuple(range(n)), [])
+    return np.array(subsets), np.array(partitions)
+
+
+class _GroupScores:
+    """Kept magnitude of 4-channel groups, memoized in a dense table when it fits.
+
+    A group's score depends only on its set of channels, so the stripe-group search (which sees
+    the same sets again and again) looks most of them up instead of recomputing them. Groups are
+    keyed by the combinatorial number system over their sorted channels.
+    """
+
+    MAX_TABLE = 4_000_000  # entries (32 MB): up to ~100 channels
+
+    def __init__(self, at: np.ndarray):
+        self.at = at
+        c = at.shape[0]
+        self.table = None
+        if math.comb(c, 4) <= self.MAX_TABLE:
+            self.table = np.full(math.comb(c, 4), np.nan)
+            self.binom = np.array([[math.comb(x, k) for x in range(c)] for k in range(5)], dtype=np.int64)
+
+    def __call__(self, groups: np.ndarray, presorted: bool = False) -> np.ndarray:
+        if self.table is None:
+            return _top2_sum(self.at, groups)
+        g = groups if presorted else np.sort(groups, axis=-1)
+        keys = (self.binom[1][g[..., 0]] + self.binom[2][g[..., 1]] + self.binom[3][g[..., 2]]
+                + self.binom[4][g[..., 3]])
+        values = self.table[keys]
+        missing = np.isnan(values)
+        if missing.any():
+            new_keys, first = np.unique(keys[missing], return_index=True)
+            self.table[new_keys] = _top2_sum(self.at, g[missing][first])
+            values = self.table[keys]
+        return values
+
+
+class _Search:
+    """Iterated local search for a channel order of `at` `[channels, rows]`.
+
+    Local search: for every set of 2 (and, when affordable, 3) stripes of 4 channels, try every
+    re-partition of their 8 (12) channels into stripes and apply the best disjoint gains, until
+    none is left (apex ASP's stripe-group neighbourhood). Gains of stripe sets whose channels did
+    not change are kept between rounds, so a round costs only what changed. Escape: shuffle the
+    channels of a few random stripes of the best order found ("kick"), search again, keep it if
+    better.
+    """
+
+    def __init__(self, at: np.ndarray, rng: np.random.Generator):
+        self.at = at
+        self.rng = rng
+        stripes = at.shape[0] // 4
+        self.perm = np.arange(at.shape[0])
+        self.group_scores = _GroupScores(at)
+        # Three-stripe sets are exact but cubic in the stripe count; pairs scale to wide layers.
+        widths = [k for k in (2, 3) if k <= stripes and (k == 2 or stripes <= 24)]
+        self.neighbourhoods = []
+        for k in widths:
+            combos = np.array(list(itertools.combinations(range(stripes), k)))
+            self.neighbourhoods.append(
+                {"k": k, "combos": combos, "gain": np.zeros(len(combos)), "best": np.zeros(len(combos), np.int64),
+                 "seen": np.full((stripes, 4), -1)}
+            )
+
+    def score(self) -> float:
+        return float(self.group_scores(self.perm.reshape(-1, 4)).sum())
+
+    def _refresh(self, hood: dict) -> None:
+        """Recomputes the best re-partition of every stripe set whose channels changed."""
+        stripes = self.perm.reshape(-1, 4)
+        current = np.sort(stripes, axis=1)
+        changed = np.any(current != hood["seen"], axis=1)
+        if not changed.any():
+            return
+        hood["seen"] = current
+        stripe_scores = self.group_scores(current)
+        subsets, partitions = _partitions(hood["k"])
+        combos = hood["combos"]
+        todo = np.nonzero(changed[combos].any(axis=1))[0]
+        per_chunk = max(1, 65536 // len(subsets))
+        for s in range(0, len(todo), per_chunk):
+            t = todo[s : s + per_chunk]
+            # Sorted channels make every subset's channels ascending: the table key needs no sort.
+            cols = np.sort(current[combos[t]].reshape(len(t), -1), axis=1)
+            kept = self.group_scores(cols[:, subsets], presorted=True)  # [t, subsets] float64
+            # float32 is enough to pick the best partition; its gain is then summed in float64.
+            kept32 = kept.astype(np.float32)
+            totals = kept32[:, partitions[:, 0]]
+            for j in range(1, hood["k"]):
+                totals += kept32[:, partitions[:, j]]
+            best = totals.argmax(axis=1)
+            hood["best"][t] = best
+            new = np.take_along_axis(kept, partitions[best], axis=1).sum(axis=1)
+            hood["gain"][t] = new - stripe_scores[combos[t]].sum(axis=1)
+
+    def _improve(self, hood: dict) -> bool:
+        """One round: applies the best disjoint re-partitions with positive gain."""
+        self._refresh(hood)
+        subsets, partitions = _partitions(hood["k"])
+        stripes = self.perm.reshape(-1, 4)  # a view: edits below change self.perm
+        used = np.zeros(len(stripes), dtype=bool)
+        for t in np.argsort(-hood["gain"], kind="stable"):
+            if hood["gain"][t] <= _EPS:
+                break
+            members = hood["combos"][t]
+            if used[members].any():
+                continue
+            cols = np.sort(stripes[members].reshape(-1))
+            stripes[members] = cols[subsets[partitions[hood["best"][t]]]]
+            used[members] = True
+        return bool(used.any())
+
+    def local_search(self) -> None:
+        """Applies stripe-set re-partitions until no set of 2 or 3 stripes can gain."""
+        # Cheap pairs to convergence first; a costlier 3-stripe round only when pairs are stuck.
+        level = 0
+        while level < len(self.neighbourhoods):
+            level = 0 if self._improve(self.neighbourhoods[level]) else level + 1
+
+    def iterate(self, kicks: int, bar=None) -> None:
+        """Local search, then `kicks` rounds of shuffle-and-search from the best order found."""
+        self.local_search()
+        best, best_perm = self.score(), self.perm.copy()
+        stripes = len(self.perm) // 4
+        shuffled = min(6, stripes)
+        for _ in range(kicks):
+            perm = best_perm.copy().reshape(stripes, 4)
+            chosen = self.rng.choice(stripes, shuffled, replace=False)
+            perm[chosen] = self.rng.permutation(perm[chosen].reshape(-1)).reshape(shuffled, 4)
+            self.perm = perm.reshape(-1)
+            self.local_search()
+            score = self.score()
+            if score > best + _EPS:
+                best, best_perm = score, self.perm.copy()
+            if bar is not None:
+                bar.update(1)
+        self.perm = best_perm
+
+
+def default_kicks(channels: int) -> int:
+    """Escape budget: 40 kicks (~4 s CPU for 64 channels), fewer for wide layers."""
+    return 40 if channels <= 96 else max(8, 40 * 96 // channels)
+
+
+def search_permutation(
+    weight: np.ndarray,
+    axis: int = 0,
+    *,
+    kicks: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> np.ndarray:
+    """Finds an order of `weight`'s channels along `axis` that keeps more magnitude under 2:4.
+
+    Args:
+        weight: a kernel in Keras layout; `axis` is its grouping (input-channel) axis, e.g. 0 for a
+            Dense kernel `[in, out]`, 2 for a Conv2D kernel `[h, w, in, out]`.
+        axis: the channel axis (groups of 4 consecutive channels along it).
+        kicks: escape rounds after the first local search (None = `default_kicks(channels)`;
+            0 = plain local search, close to ASP's "optimize_stripe_groups" strategy).
+        seed: seed of the kicks' random generator (the result is deterministic given it).
+        progress: show a tqdm progress bar over the kicks.
+
+    Returns:
+        `perm` (int64 `[channels]`) such that `np.take(weight, perm, axis)` keeps at least as much
+        magnitude under 2:4 as `weight` (the identity is the starting point and every accepted step
+        gains).
+
+    Raises:
+        ValueError: if `weight.shape[axis]` is not a multiple of 4 or the weight has NaN/Inf.
+
+    Example:
+        >>> w = np.random.default_rng(0).normal(size=(64, 32))
+        >>> perm = search_permutation(w, axis=0, kicks=5)
+        >>> kept_magnitude(w.T, perm) >= kept_magnitude(w.T)
+        True
+    """
+    w = np.asarray(weight)
+    if w.ndim == 0 or not -w.ndim <= axis < w.ndim:
+        raise ValueError(f"Axis {axis} is out of range for a weight with shape {w.shape}.")
+    channels = w.shape[axis]
+    if channels % 4:
+        raise ValueError(
+            f"Weight with shape {w.shape} has {channels} channels along axis {axis}, not a multiple "
+            "of 4: it cannot be grouped for 2:4."
+        )
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"Weight with shape {w.shape} contains NaN/Inf; cannot search a permutation.")
+    at = np.ascontiguousarray(np.abs(channel_matrix(w, axis)).T, dtype=np.float32)
+    search = _Search(at, np.random.default_rng(seed))
+    if channels <= 4:
+        return search.perm
+    kicks = default_kicks(channels) if kicks is None else kicks
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=kicks, desc=f"permutation search ({channels} channels)", unit="kick", leave=False)
+    try:
+        search.iterate(kicks, bar=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return search.perm
+
+
+# ----------------------------------------------------------------------------------------------
+# Applying permutations to a Keras model.
+
+# Layers that commute with any channel permutation (elementwise, per-channel, or symmetric over
+# channels) and so may sit between a producer and its consumers. Names of public Keras classes.
+_PASS_THROUGH = {
+    "Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Dropout", "SpatialDropout1D",
+    "SpatialDropout2D", "SpatialDropout3D", "GaussianNoise", "GaussianDropout", "AlphaDropout",
+    "MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "AveragePooling1D", "AveragePooling2D",
+    "AveragePooling3D", "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalAveragePooling3D",
+    "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D", "ZeroPadding1D",
+    "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D", "UpSampling1D",
+    "UpSampling2D", "UpSampling3D",
+}  # fmt: skip
+_PER_CHANNEL = {"BatchNormalization", "LayerNormalization"}  # 1-D [C] weights, permuted too
+_KERNEL_LAYERS = {"Dense", "Conv1D", "Conv2D", "Conv3D"}  # producers and consumers
+
+
+@dataclasses.dataclass
+class PermutationReport:
+    """What `permute` did for one producer and the layers that consume its channels.
+
+    `kept_before`/`kept_after` are the |w| the consumers' kernels keep under 2:4; `efficacy` is
+    ASP's metric in percent (None when skipped).
+    """
+
+    producer: str | None
+    consumers: tuple[str, ...]
+    channels: int
+    permuted: bool
+    reason: str = ""
+    kept_before: float = 0.0
+    kept_after: float = 0.0
+    efficacy: float | None = None
+
+    @property
+    def gain_percent(self) -> float:
+        """Relative increase of the magnitude kept by 2:4, in percent."""
+        return 100.0 * (self.kept_after / self.kept_before - 1.0) if self.kept_before else 0.0
+
+
+def _history_names(obj) -> list[str]:
+    """Names of the layers whose outputs appear in a serialized call argument structure."""
+    if isinstance(obj, dict):
+        if "keras_history" in obj.get("config", {}):
+            return [obj["config"]["keras_history"][0]]
+        return [n for v in obj.values() for n in _history_names(v)]
+    if isinstance(obj, (list, tuple)):
+        return [n for v in obj for n in _history_names(v)]
+    return []
+
+
+def _graph(model) -> tuple[dict, dict, set]:
+    """`(inputs, consumers, model_outputs)` by layer name, from the model's public config.
+
+    Raises:
+        TypeError: for models without a layer graph (subclassed models).
+    """
+    import keras
+
+    config = model.get_config() if isinstance(model, keras.Model) else None
+    layers = (config or {}).get("layers")
+    if not isinstance(layers, list):
+        raise TypeError(
+            "permute() needs a Functional or Sequential keras.Model (it reads the layer graph). "
+            f"Received: {type(model).__name__}"
+        )
+    inputs: dict[str, list] = {}
+    if isinstance(model, keras.Sequential):
+        names = [layer.name for layer in model.layers]
+        for prev, name in zip([None, *names], names):
+            inputs[name] = [[prev]] if prev else []
+        outputs = {names[-1]} if names else set()
+    else:
+        for spec in layers:
+            inputs[spec["name"]] = [_history_names(node) for node in spec.get("inbound_nodes", [])]
+        out = config["output_layers"]
+        out = [out] if out and isinstance(out[0], str) else out
+        outputs = {o[0] for o in out}
+    consumers: dict[str, list[str]] = {name: [] for name in inputs}
+    for name, nodes in inputs.items():
+        for node in nodes:
+            for src in node:
+                consumers.setdefault(src, []).append(name)
+    return inputs, consumers, outputs
+
+
+def _kernel_axis(layer) -> int | None:
+    """Input-channel axis of a Dense/ConvND kernel that permute() can handle, else None."""
+    kind = type(layer).__name__
+    if kind not in _KERNEL_LAYERS or not getattr(layer, "built", False):
+        return None
+    if kind != "Dense" and (getattr(layer, "data_format", "channels_last") != "channels_last"
+                            or getattr(layer, "groups", 1) != 1):
+        return None
+    return layer.kernel.ndim - 2
+
+
+def _passes(layer) -> bool:
+    kind = type(layer).__name__
+    if getattr(layer, "data_format", "channels_last") != "channels_last":
+        return False
+    if kind == "BatchNormalization":
+        return layer.axis in (-1, len(layer.input.shape) - 1)
+    if kind == "LayerNormalization":
+        axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+        return list(axis) in ([-1], [len(layer.input.shape) - 1])
+    if kind == "Softmax":
+        axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+        return list(axis) in ([-1], [len(layer.input.shape) - 1])
+    return kind in _PASS_THROUGH
+
+
+def _group(model, producer: str, graph) -> tuple[list[str], list[str], str]:
+    """Layers between `producer` and its consumers: `(pass_through, consumers, skip_reason)`."""
+    inputs, consumers_of, outputs = graph
+    through, consumers, frontier = [], [], [producer]
+    while frontier:
+        name = frontier.pop()
+        if name in outputs:
+            return [], [], f"{name!r} is a model output"
+        for user in consumers_of.get(name, []):
+            layer = model.get_layer(user)
+            if len(inputs[user]) != 1 or len(inputs[user][0]) != 1:
+                return [], [], f"{user!r} ({type(layer).__name__}) is shared or has several inputs"
+            if _kernel_axis(layer) is not None:
+                consumers.append(user)
+            elif type(layer).__name__ in _PASS_THROUGH | _PER_CHANNEL and _passes(layer):
+                through.append(user)
+                frontier.append(user)
+            else:
+                return [], [], f"channels reach {user!r} ({type(layer).__name__}), which cannot be permuted"
+    if not consumers:
+        return [], [], "no Dense/Conv layer consumes these channels"
+    return through, consumers, ""
+
+
+def _producer_of(model, name: str, graph) -> tuple[str | None, str]:
+    """Walks back from consumer `name` through pass-through layers to the producing layer."""
+    inputs = graph[0]
+    current = name
+    while True:
+        nodes = inputs.get(current, [])
+        if len(nodes) != 1 or len(nodes[0]) != 1:
+            return None, f"{current!r} is shared or has several inputs"
+        source = nodes[0][0]
+        layer = model.get_layer(source)
+        kind = type(layer).__name__
+        if kind == "InputLayer":
+            return None, "its input channels come from the model input"
+        if _kernel_axis(layer) is not None:
+            return source, ""
+        if not (kind in _PASS_THROUGH | _PER_CHANNEL and _passes(layer)):
+            return None, f"its input channels come from {source!r} ({kind}), which cannot be permuted"
+        current = source
+
+
+def permute(
+    model,
+    *,
+    layers=None,
+    kicks: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    print_fn=None,
+) -> tuple:
+    """Returns a copy of `model` with input channels reordered to keep more magnitude under 2:4.
+
+    For each Dense/ConvND layer whose input channels come from another Dense/ConvND layer (through
+    activations, dropout, pooling, BatchNormalization or LayerNormalization), searches a channel
+    order for the consumers' kernels (`search_permutation`, all consumers of the same channels
+    together) and applies it to the consumers' kernel input axis, the producer's kernel output axis
+    and bias, and every per-channel weight in between. The copy computes the same function as
+    `model` (up to float rounding) but its 2:4 masks keep more. Run it on the trained dense model,
+    before `tf_sparse24.prune`. The caller's model is not changed.
+
+    Skipped, with a reason in the report: layers fed by the model input, channels that reach a
+    residual add, concatenation, model output, shared layer or any other layer not known to commute
+    with a channel permutation, and channel counts that are not a multiple of 4.
+
+    Args:
+        model: a built Functional or Sequential keras.Model.
+        layers: only search for these consumer layer names (None = all).
+        kicks: escape rounds per search (see `search_permutation`).
+        seed: seed of the searches.
+        progress: show a tqdm progress bar over the searches.
+        print_fn: if given, called with a one-line summary per group.
+
+    Returns:
+        `(permuted_model, reports)`: a new model and one `PermutationReport` per group.
+
+    Raises:
+        TypeError: for a subclassed model or a non-model.
+        ValueError: for an unbuilt model or an unknown layer name.
+
+    Example:
+        >>> model, reports = tf_sparse24.permute(model)
+        >>> model = tf_sparse24.prune(model)
+    """
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"permute() expects a keras.Model. Received: {type(model).__name__}")
+    if not model.built:
+        raise ValueError(f"permute() needs a built model. Received: unbuilt model {model.name!r}")
+    graph = _graph(model)
+    names = set(graph[0])
+    unknown = sorted(set(layers or []) - names)
+    if unknown:
+        raise ValueError(f"layers: no layer named {unknown} in model {model.name!r}.")
+
+    reports, groups = [], {}
+    for name in graph[0]:
+        if _kernel_axis(model.get_layer(name)) is None or (layers and name not in layers):
+            continue
+        producer, reason = _producer_of(model, name, graph)
+        if producer is None:
+            reports.append(PermutationReport(None, (name,), 0, False, reason))
+        else:
+            groups.setdefault(producer, []).append(name)
+
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    plans = []
+    for producer in groups:
+        through, consumers, reason = _group(model, producer, graph)
+        channels = int(model.get_layer(producer).kernel.shape[-1])
+        if not reason and channels % 4:
+            reason = f"{channels} channels, not a multiple of 4"
+        if reason:
+            reports.append(PermutationReport(producer, tuple(consumers or groups[producer]), channels, False, reason))
+        else:
+            plans.append((producer, through, consumers, channels))
+
+    bar = None
+    if progress and plans:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(plans, desc="channel permutations", unit="layer", leave=False)
+    for producer, through, consumers, channels in bar if bar is not None else plans:
+        kernels = [clone.get_layer(c).kernel.numpy() for c in consumers]
+        rows = np.concatenate([channel_matrix(k, k.ndim - 2) for k in kernels])
+        perm = search_permutation(rows, axis=1, kicks=kicks, seed=seed)
+        _apply(clone.get_layer(producer), [clone.get_layer(t) for t in through],
+               [clone.get_layer(c) for c in consumers], perm)
+        reports.append(PermutationReport(
+            producer, tuple(consumers), channels, True, "", kept_magnitude(rows),
+            kept_magnitude(rows, perm), permutation_efficacy(rows, perm)))
+    if print_fn is not None:
+        for r in reports:
+            what = (f"kept |w| {r.kept_before:.4g} -> {r.kept_after:.4g} (+{r.gain_percent:.2f}%, "
+                    f"efficacy {r.efficacy:.1f}%)" if r.permuted else f"skipped: {r.reason}")
+            print_fn(f"{r.producer or '-'} -> {', '.join(r.consumers)} [{r.channels} ch]: {what}")
+    return clone, reports
+
+
+def _apply(producer, through, consumers, perm: np.ndarray) -> None:
+    """Permutes the producer's output channels, per-channel weights and consumers' input channels."""
+
+    def take(variable, axis: int) -> None:
+        variable.assign(np.take(variable.numpy(), perm, axis=axis))
+
+    take(producer.kernel, -1)
+    if getattr(producer, "bias", None) is not None:
+        take(producer.bias, 0)
+    for layer in through:
+        for variable in layer.weights:  # BatchNormalization/LayerNormalization: all [C]
+            take(variable, 0)
+    for layer in consumers:
+        take(layer.kernel, layer.kernel.ndim - 2)
