@@ -43,7 +43,7 @@ def library_path() -> str:
 
 
 def _built_tf_version(path: str) -> str:
-    """TensorFlow version the library was compiled against ("unknown" if it cannot be read)."""
+    """TensorFlow version the library was compiled against ("unknown" if not recorded, e.g. Bazel)."""
     try:
         fn = ctypes.CDLL(path, mode=os.RTLD_LAZY).tf_sparse24_tf_version
     except (OSError, AttributeError):
@@ -82,7 +82,7 @@ def load_library() -> ModuleType:
                 f"{_built_tf_version(path)}) into TensorFlow {tf.__version__}: {e}. {rebuild}"
             ) from e
         built = _built_tf_version(path)
-        if built.split(".")[:2] != tf.__version__.split(".")[:2]:
+        if built != "unknown" and built.split(".")[:2] != tf.__version__.split(".")[:2]:
             raise OpLibraryError(
                 f"the tf_sparse24 op library {path} was built for TensorFlow {built}, but "
                 f"TensorFlow {tf.__version__} is running. {rebuild}"

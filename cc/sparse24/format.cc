@@ -46,13 +46,15 @@ constexpr U abs_mask() {
 template <typename U>
 std::string compress_impl(const U* dense, int64_t k, int64_t n, U* values, uint8_t* meta) {
   const int64_t groups = k / 4, half_k = k / 2, mcols = meta_cols(k);
+  if (n * mcols == 0) return std::string();  // nothing to write (and memset(nullptr) is UB)
   std::memset(meta, 0, static_cast<size_t>(n * mcols));
   for (int64_t g = 0; g < groups; ++g) {
     const U* rows = dense + 4 * g * n;
     for (int64_t c = 0; c < n; ++c) {
       const U e[4] = {rows[c], rows[n + c], rows[2 * n + c], rows[3 * n + c]};
-      unsigned mask = 0;
-      for (int i = 0; i < 4; ++i) mask |= ((e[i] & abs_mask<U>()) != 0 ? 1u : 0u) << i;
+      constexpr U kAbs = abs_mask<U>();
+      const unsigned mask = ((e[0] & kAbs) != 0 ? 1u : 0u) | ((e[1] & kAbs) != 0 ? 2u : 0u) |
+                            ((e[2] & kAbs) != 0 ? 4u : 0u) | ((e[3] & kAbs) != 0 ? 8u : 0u);
       const uint8_t nibble = kNibbleForMask[mask];
       if (nibble == 0xFF) {
         std::ostringstream msg;
@@ -82,6 +84,7 @@ std::string compress_impl(const U* dense, int64_t k, int64_t n, U* values, uint8
 template <typename U>
 void decompress_impl(const U* values, const uint8_t* meta, int64_t k, int64_t n, U* dense) {
   const int64_t groups = k / 4, half_k = k / 2, mcols = meta_cols(k);
+  if (k * n == 0) return;
   std::memset(dense, 0, static_cast<size_t>(k * n) * sizeof(U));
   for (int64_t c = 0; c < n; ++c) {
     const U* in = values + c * half_k;

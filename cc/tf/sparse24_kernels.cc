@@ -67,19 +67,19 @@ sparse24::ParallelFor PoolParallelFor(OpKernelContext* ctx) {
 }
 
 // Shared checks of (values [N, K/2], meta [N, ceil(K/8)]) for a given K.
-absl::Status CheckCompressed(const Tensor& values, const Tensor& meta, int64_t k) {
+absl::Status CheckCompressed(const char* op, const Tensor& values, const Tensor& meta, int64_t k) {
   if (k % 4 != 0) {
-    return InvalidArgument("K (the reduction size) must be a multiple of 4, got K=", k);
+    return InvalidArgument(op, ": K (the reduction size) must be a multiple of 4, got K=", k);
   }
   if (values.dims() != 2 || meta.dims() != 2) {
-    return InvalidArgument("values and meta must be 2-D [N, K/2] and [N, ceil(K/8)], got ",
+    return InvalidArgument(op, ": values and meta must be 2-D [N, K/2] and [N, ceil(K/8)], got ",
                                    values.shape().DebugString(), " and ",
                                    meta.shape().DebugString());
   }
   const int64_t n = values.dim_size(0);
   if (values.dim_size(1) != k / 2 || meta.dim_size(0) != n ||
       meta.dim_size(1) != sparse24::meta_cols(k)) {
-    return InvalidArgument("for K=", k, " values must be [N, ", k / 2, "] and meta [N, ",
+    return InvalidArgument(op, ": for K=", k, " values must be [N, ", k / 2, "] and meta [N, ",
                                    sparse24::meta_cols(k), "] with the same N, got values ",
                                    values.shape().DebugString(), " and meta ",
                                    meta.shape().DebugString());
@@ -123,7 +123,7 @@ class Sparse24DecompressOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& values = ctx->input(0);
     const Tensor& meta = ctx->input(1);
-    OP_REQUIRES_OK(ctx, CheckCompressed(values, meta, k_));
+    OP_REQUIRES_OK(ctx, CheckCompressed("Sparse24Decompress", values, meta, k_));
     const int64_t n = values.dim_size(0);
     Tensor* dense = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k_, n}), &dense));
@@ -150,10 +150,12 @@ class Sparse24MatMulOp : public OpKernel {
     OP_REQUIRES(ctx, x.dims() >= 1,
                 InvalidArgument("Sparse24MatMul: x must be [..., K], got a scalar"));
     const int64_t k = x.dim_size(x.dims() - 1);
-    OP_REQUIRES_OK(ctx, CheckCompressed(values, meta, k));
+    OP_REQUIRES_OK(ctx, CheckCompressed("Sparse24MatMul", values, meta, k));
     sparse24::Isa isa;
     OP_REQUIRES_OK(ctx, RequestedIsa(&isa));
-    const int64_t n = values.dim_size(0), m = x.NumElements() / std::max<int64_t>(k, 1);
+    const int64_t n = values.dim_size(0);
+    int64_t m = 1;  // rows of x: product of its batch dims (NumElements / K is 0 when K = 0)
+    for (int d = 0; d + 1 < x.dims(); ++d) m *= x.dim_size(d);
     TensorShape y_shape = x.shape();
     y_shape.set_dim(x.dims() - 1, n);
     Tensor* y = nullptr;

@@ -1,0 +1,67 @@
+"""Builds the framework-free C++ core test (cc/sparse24/core_test.cc) with ASan + UBSan and runs it."""
+
+import concurrent.futures
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORE = os.path.join(ROOT, "cc", "sparse24")
+ISA_FLAGS = {
+    "_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
+    "_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+
+
+def core_sources() -> list[str]:
+    """The core test plus the TF-free sources it drives: format, ISA detection and every spmm variant."""
+    spmm = [
+        path
+        for path in glob.glob(os.path.join(CORE, "spmm*.cc"))
+        if not path.endswith("_test.cc") and "bench" not in os.path.basename(path)
+    ]
+    names = ["core_test.cc", "format.cc", "cpu_features.cc"]
+    return [os.path.join(CORE, name) for name in names] + sorted(spmm)
+
+
+@pytest.fixture(scope="module")
+def core_test_binary(tmp_path_factory) -> str:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        pytest.fail(f"the C++ core test needs a C++ compiler; {cxx!r} is not on PATH")
+    out = tmp_path_factory.mktemp("core_test")
+
+    def compile_one(src: str) -> str:
+        obj = str(out / (os.path.basename(src) + ".o"))
+        flags = next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
+        cmd = [cxx, "-std=c++17", "-O1", "-g", "-Wall", *SANITIZE, *flags, f"-I{ROOT}", "-c", src, "-o", obj]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        return obj
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        try:
+            objects = list(pool.map(compile_one, core_sources()))
+        except subprocess.CalledProcessError as e:
+            pytest.fail(f"compiling the core test failed:\n{' '.join(e.cmd)}\n{e.stderr[-4000:]}")
+    binary = str(out / "core_test")
+    subprocess.run([cxx, *SANITIZE, *objects, "-o", binary], check=True)
+    return binary
+
+
+def test_core_under_asan_and_ubsan(core_test_binary):
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
+    env.pop("LD_PRELOAD", None)
+    result = subprocess.run([core_test_binary], capture_output=True, text=True, env=env, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "ALL PASSED" in result.stdout and "FAIL" not in output, output[-6000:]
+    assert "runtime error" not in output and "AddressSanitizer" not in output, output[-6000:]
+    assert "spmm scalar checked" in result.stdout
+    if "avx2=1" in result.stdout:
+        assert "spmm avx2 checked" in result.stdout
+    if "avx512=1" in result.stdout:
+        assert "spmm avx512 checked" in result.stdout

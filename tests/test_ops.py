@@ -1,0 +1,366 @@
+"""The sparse24 TF ops against the numpy reference (format.py), numpy float64 and dense TensorFlow."""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tf_sparse24 import format as fmt
+from tf_sparse24 import ops
+
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+# Tolerance relative to sum_k |x[m, k] * W[k, n]|: output rounding of the dtype plus fp32 accumulation.
+RTOL = {"float32": 2e-6, "float16": 1.5e-3, "bfloat16": 1.2e-2}
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+def random_24(rng, k, n, dtype, specials=False):
+    """Random 2:4 [K, N] matrix: groups with 0, 1 and 2 non-zeros, optionally NaN/inf/-0.0."""
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    keep = rng.random((n, k // 4, 4)).argsort(axis=-1)[..., : rng.integers(0, 3)]
+    mask = np.zeros((n, k // 4, 4), bool)
+    np.put_along_axis(mask, keep, True, axis=-1)
+    mask &= rng.random(mask.shape) < 0.9  # some groups with fewer non-zeros
+    w *= mask.reshape(n, k).T
+    if specials and w.size:
+        flat = w.reshape(-1)
+        nonzero = np.flatnonzero(flat)
+        for value in (np.nan, np.inf, -np.inf)[: len(nonzero)]:
+            flat[nonzero[rng.integers(len(nonzero))]] = value
+        flat[np.flatnonzero(flat == 0)[:1]] = -0.0
+    return w.astype(dtype)
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+
+
+def tf_dtype(name):
+    return tf.as_dtype(name)
+
+
+@pytest.fixture
+def isa(request, monkeypatch):
+    """Forces the CPU kernel variant for the test (or checks the error where the CPU lacks it)."""
+    monkeypatch.setenv(ops.ISA_ENV_VAR, request.param)
+    return request.param
+
+
+# --------------------------------------------------------------------------------------------------
+# Compress / decompress: bit for bit against format.py
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    groups=st.integers(0, 11),
+    n=st.integers(0, 9),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_compress_decompress_bit_exact(groups, n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    k = 4 * groups
+    w = random_24(rng, k, n, DTYPES[dtype], specials=True)
+    values, meta = ops.sparse24_compress(tf.constant(w))
+    ref_values, ref_meta = fmt.compress(w)
+    assert values.dtype == tf_dtype(dtype) and meta.dtype == tf.uint8
+    np.testing.assert_array_equal(bits(values.numpy()), bits(ref_values))
+    np.testing.assert_array_equal(meta.numpy(), ref_meta)
+    dense = ops.sparse24_decompress(values, meta, k)
+    np.testing.assert_array_equal(bits(dense.numpy()), bits(fmt.decompress(ref_values, ref_meta, k)))
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_large_and_odd_shapes(dtype):
+    rng = np.random.default_rng(1)
+    for k, n in [(1028, 300), (4, 1), (12, 1), (2048, 64)]:  # K % 8 == 4, N == 1, large
+        w = random_24(rng, k, n, DTYPES[dtype])
+        values, meta = ops.sparse24_compress(tf.constant(w))
+        ref_values, ref_meta = fmt.compress(w)
+        np.testing.assert_array_equal(bits(values.numpy()), bits(ref_values))
+        np.testing.assert_array_equal(meta.numpy(), ref_meta)
+        np.testing.assert_array_equal(bits(ops.sparse24_decompress(values, meta, k).numpy()), bits(w + 0))
+
+
+def test_high_level_compress_any_rank():
+    rng = np.random.default_rng(2)
+    shape, axis = (3, 3, 8, 6), 2  # Conv2D kernel: K = 3*3*8 with the in-channel fastest
+    w = fmt.from_2d(random_24(rng, 72, 6, np.float32), shape)
+    cw = ops.compress(w, axis=axis)
+    assert (cw.k, cw.n, cw.axis, cw.shape, cw.dtype) == (72, 6, 2, tf.TensorShape(shape), tf.float32)
+    ref_values, ref_meta = fmt.compress(fmt.to_2d(w, axis))
+    np.testing.assert_array_equal(cw.values.numpy(), ref_values)
+    np.testing.assert_array_equal(cw.meta.numpy(), ref_meta)
+    np.testing.assert_array_equal(ops.decompress(cw).numpy(), w)
+    x = rng.standard_normal((5, 3, 3, 8)).astype(np.float32)
+    y = ops.sparse_matmul(x, cw)
+    np.testing.assert_allclose(y.numpy(), np.tensordot(x.astype(np.float64), w, 3), rtol=1e-5, atol=1e-5)
+    # MHA output projection [heads, dim, d], axis 1.
+    w = fmt.from_2d(random_24(rng, 16, 5, np.float32), (2, 8, 5))
+    x = rng.standard_normal((4, 7, 2, 8)).astype(np.float32)
+    y = ops.sparse_matmul(x, ops.compress(w, axis=1))
+    assert y.shape == (4, 7, 5)
+    np.testing.assert_allclose(y.numpy(), np.tensordot(x.astype(np.float64), w, 2), rtol=1e-5, atol=1e-5)
+    # EinsumDense [d, heads, dim], axis 0: output keeps the kernel's trailing dims.
+    w = random_24(rng, 8, 6, np.float32).reshape(8, 2, 3)
+    y = ops.sparse_matmul(rng.standard_normal((4, 8)).astype(np.float32), ops.compress(w))
+    assert y.shape == (4, 2, 3)
+
+
+# --------------------------------------------------------------------------------------------------
+# MatMul against numpy float64, on every SIMD path
+
+
+def check_matmul(dtype, batch, k, n, rng):
+    w = random_24(rng, k, n, DTYPES[dtype])
+    x = rng.standard_normal(batch + (k,)).astype(DTYPES[dtype])
+    values, meta = fmt.compress(w)
+    y = ops.sparse24_matmul(tf.constant(x), tf.constant(values), tf.constant(meta))
+    assert y.dtype == tf_dtype(dtype) and y.shape == batch + (n,)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    ref = x64 @ w64
+    scale = np.abs(x64) @ np.abs(w64)
+    err = np.abs(y.numpy().astype(np.float64) - ref)
+    atol = 2.0**-24 if dtype == "float16" else 1e-30  # float16 subnormal spacing
+    assert np.all(err <= RTOL[dtype] * scale + atol), (dtype, batch, k, n, float(err.max()))
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_matmul_matches_float64(isa, dtype):
+    if isa not in ops.supported_cpu_isas():
+        with pytest.raises(tf.errors.InvalidArgumentError, match=f"{isa} asks for a kernel variant"):
+            check_matmul(dtype, (2,), 8, 3, np.random.default_rng(0))
+        return
+    rng = np.random.default_rng(3)
+    # M = 1..4 run the GEMV kernels, larger M the panel kernels; odd N and K % 8 == 4 hit the tails.
+    for batch, k, n in [((1,), 4, 1), ((3,), 12, 5), ((2, 2), 64, 17), ((37,), 260, 33),
+                        ((2, 35), 128, 67), ((1,), 1024, 40), ((0,), 8, 3), ((4, 0, 2), 8, 3)]:
+        check_matmul(dtype, batch, k, n, rng)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2"], indirect=True)
+def test_nan_inf_propagate_like_dense(isa):
+    if isa not in ops.supported_cpu_isas():
+        pytest.skip(f"{isa} checked by test_matmul_matches_float64")
+    rng = np.random.default_rng(4)
+    k, n = 16, 6
+    w = random_24(rng, k, n, np.float32)
+    w[fmt.kept_positions(w)[2, 1, 0] + 4, 2] = np.nan  # a NaN weight at a kept position
+    for m in (1, 9):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[0, 6] = np.inf
+        x[m - 1, 13] = -np.inf
+        x[m // 2, 1] = np.nan
+        values, meta = fmt.compress(w)
+        y = ops.sparse24_matmul(x, values, meta).numpy()
+        dense = tf.matmul(x, w).numpy()  # stock TF: 0 * inf = NaN, NaN spreads
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(dense))
+        np.testing.assert_array_equal(np.isinf(y), np.isinf(dense))
+        np.testing.assert_allclose(np.nan_to_num(y), np.nan_to_num(dense), rtol=1e-5, atol=1e-5)
+        assert np.isnan(y).any() and (m == 1 or not np.isnan(y).all())
+
+
+def test_forcing_isa(monkeypatch):
+    supported = ops.supported_cpu_isas()
+    assert "scalar" in supported
+    with pytest.raises(ValueError, match="unknown CPU kernel variant"):
+        ops.set_cpu_isa("sse9")
+    monkeypatch.setenv(ops.ISA_ENV_VAR, "sse9")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'sse9' is not a CPU kernel variant"):
+        ops.sparse24_matmul(np.ones((1, 4), np.float32), np.ones((1, 2), np.float32), [[4]])
+    for name in ("scalar", "avx2", "avx512"):
+        if name in supported:
+            ops.set_cpu_isa(name)
+            assert ops.cpu_isa() == name
+        else:
+            with pytest.raises(ValueError, match=f"cannot run the '{name}'"):
+                ops.set_cpu_isa(name)
+    ops.set_cpu_isa("auto")
+    assert ops.cpu_isa() == supported[-1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients against tf.GradientTape on the dense equivalent
+
+
+@pytest.mark.parametrize("batch", [(6,), (2, 3)])
+def test_gradients_match_dense(batch):
+    rng = np.random.default_rng(5)
+    k, n = 20, 7
+    w = random_24(rng, k, n, np.float32)
+    x = tf.constant(rng.standard_normal(batch + (k,)).astype(np.float32))
+    r = tf.constant(rng.standard_normal(batch + (n,)).astype(np.float32))
+    values, meta = (tf.constant(a) for a in fmt.compress(w))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, values])
+        cw = ops.CompressedWeight(values=values, meta=meta, shape=w.shape, dtype=tf.float32)
+        loss = tf.reduce_sum(ops.sparse_matmul(x, cw) * r)
+        w_dense = ops.decompress(cw)  # through Sparse24Decompress's gradient
+        loss_via_dense = tf.reduce_sum(tf.matmul(x, w_dense) * r)
+    dx, dvalues = tape.gradient(loss, [x, values])
+    dx2, dvalues2 = tape.gradient(loss_via_dense, [x, values])
+
+    wt = tf.constant(w)
+    with tf.GradientTape() as dense_tape:
+        dense_tape.watch([x, wt])
+        dense_loss = tf.reduce_sum(tf.matmul(x, wt) * r)
+    dx_ref, dw_ref = dense_tape.gradient(dense_loss, [x, wt])
+    rows = fmt.unpack_meta(meta.numpy(), k)  # [N, K/4, 2] positions
+    kept = (rows + 4 * np.arange(k // 4)[:, None]).reshape(n, k // 2)
+    dvalues_ref = np.take_along_axis(dw_ref.numpy().T, kept, axis=1)
+    for got in (dx, dx2):
+        np.testing.assert_allclose(got.numpy(), dx_ref.numpy(), rtol=1e-5, atol=1e-5)
+    for got in (dvalues, dvalues2):
+        np.testing.assert_allclose(got.numpy(), dvalues_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compress_gradient_scatters_back():
+    rng = np.random.default_rng(6)
+    w = tf.constant(random_24(rng, 8, 3, np.float32))
+    c = rng.standard_normal((3, 4)).astype(np.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(w)
+        values, _ = ops.sparse24_compress(w)
+        loss = tf.reduce_sum(values * c)
+    _, ref_meta = fmt.compress(w.numpy())
+    np.testing.assert_array_equal(tape.gradient(loss, w).numpy(), fmt.decompress(c, ref_meta, 8))
+
+
+# --------------------------------------------------------------------------------------------------
+# tf.function, shape functions, SavedModel
+
+
+def test_tf_function_shapes_and_saved_model(tmp_path):
+    rng = np.random.default_rng(7)
+    w = random_24(rng, 16, 5, np.float32)
+    cw = ops.compress(w)
+    spec = ops.CompressedWeight.Spec(
+        values=tf.TensorSpec([5, 8]), meta=tf.TensorSpec([5, 2], tf.uint8),
+        shape=tf.TensorShape([16, 5]), dtype=tf.float32, axis=0,
+    )
+
+    class Module(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.cw = cw
+
+        @tf.function(input_signature=[tf.TensorSpec([None, None, 16])])
+        def __call__(self, x):
+            return ops.sparse_matmul(x, self.cw)
+
+        @tf.function(input_signature=[spec, tf.TensorSpec([None, 16])])
+        def apply(self, weight, x):
+            return ops.sparse_matmul(x, weight)
+
+    module = Module()
+    assert module.__call__.get_concrete_function().structured_outputs.shape.as_list() == [None, None, 5]
+    x = rng.standard_normal((2, 3, 16)).astype(np.float32)
+    expected = module(x).numpy()
+    np.testing.assert_allclose(expected, x @ w, rtol=1e-5, atol=1e-5)
+    tf.saved_model.save(module, str(tmp_path / "m"))
+    loaded = tf.saved_model.load(str(tmp_path / "m"))
+    np.testing.assert_array_equal(loaded(x).numpy(), expected)
+    np.testing.assert_array_equal(loaded.apply(cw, x[0]).numpy(), expected[0])
+
+    @tf.function
+    def f(x, values, meta):
+        return ops.sparse24_matmul(x, values, meta)
+
+    out = f.get_concrete_function(
+        tf.TensorSpec([None, 7, 12]), tf.TensorSpec([None, 6]), tf.TensorSpec([None, 2], tf.uint8)
+    ).structured_outputs
+    assert out.shape.as_list() == [None, 7, None]
+    with pytest.raises(ValueError, match="Dimension must be 6 but is 7"):
+        f.get_concrete_function(tf.TensorSpec([2, 12]), tf.TensorSpec([5, 7]), tf.TensorSpec([5, 2], tf.uint8))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        f.get_concrete_function(tf.TensorSpec([2, 10]), tf.TensorSpec([5, 5]), tf.TensorSpec([5, 2], tf.uint8))
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_compress_rejects_non_24_naming_row_column_group():
+    w = np.zeros((16, 5), np.float32)
+    w[8:11, 3] = 1.0
+    w[12:16, 1] = 1.0  # later in memory order
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"group g=2 \(rows k=8..11\) of column n=3 has 3 non-zeros at rows k=\[8, 9, 10\]"
+    ):
+        ops.sparse24_compress(w)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="of column n=3"):
+        ops.compress(w.reshape(4, 4, 5), axis=1)
+    with pytest.raises(ValueError, match=r"multiple of 4. Received: kernel shape \(2, 2, 5\), axis=1"):
+        ops.compress(np.zeros((2, 2, 5), np.float32), axis=1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of 4"):
+        ops.sparse24_compress(np.zeros((6, 3), np.float32))
+
+
+def test_bad_shapes_and_dtypes():
+    values, meta = (tf.constant(a) for a in fmt.compress(np.zeros((16, 3), np.float32)))
+    x = tf.ones((2, 16))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"values must be \[N, 8\] and meta \[N, 2\]"):
+        ops.sparse24_matmul(x, tf.ones((3, 10)), meta)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"same N, got values \[3,8\] and meta \[4,2\]"):
+        ops.sparse24_matmul(x, values, tf.zeros((4, 2), tf.uint8) + 4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="K=6"):
+        ops.sparse24_matmul(tf.ones((2, 6)), tf.ones((3, 3)), tf.zeros((3, 1), tf.uint8))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of 4, got K=6"):
+        ops.sparse24_decompress(tf.ones((3, 3)), tf.zeros((3, 1), tf.uint8), 6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"for K=20 values must be \[N, 10\]"):
+        ops.sparse24_decompress(values, meta, 20)
+    with pytest.raises((TypeError, tf.errors.InvalidArgumentError), match="int32"):
+        ops.sparse24_compress(tf.zeros((4, 4), tf.int32))
+    with pytest.raises((TypeError, tf.errors.InvalidArgumentError), match="uint8"):
+        ops.sparse24_matmul(x, values, tf.cast(meta, tf.int32))
+    with pytest.raises((TypeError, tf.errors.InvalidArgumentError), match="half|float16"):
+        ops.sparse24_matmul(x, tf.cast(values, tf.float16), meta)
+    with pytest.raises(ValueError, match="values of dtype float32 and uint8 meta"):
+        ops.CompressedWeight(values=tf.cast(values, tf.float16), meta=meta, shape=[16, 3], dtype=tf.float32)
+    with pytest.raises(ValueError, match="must end with the kernel's contracted dims"):
+        ops.sparse_matmul(tf.ones((2, 8)), ops.CompressedWeight(values=values, meta=meta, shape=[16, 3], dtype=tf.float32))
+
+
+@pytest.mark.parametrize("op", ["matmul", "decompress"])
+def test_bad_meta_is_rejected_naming_row_and_group(op):
+    rng = np.random.default_rng(8)
+    k, n = 28, 4  # K % 8 == 4: 4 meta bytes, the last with one group
+    values, meta = fmt.compress(random_24(rng, k, n, np.float32))
+
+    def run(meta):
+        if op == "matmul":
+            return ops.sparse24_matmul(tf.ones((3, k)), values, tf.constant(meta))
+        return ops.sparse24_decompress(values, tf.constant(meta), k)
+
+    for byte_index, byte, group, positions in [(1, 0x4A, 2, "(2, 2)"), (2, 0x74, 5, "(3, 1)"), (3, 0x05, 6, "(1, 1)")]:
+        bad = meta.copy()
+        bad[2, byte_index] = byte
+        with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(f"row n=2, group g={group} has positions {positions}")):
+            run(bad)
+    bad = meta.copy()
+    bad[1, 3] |= 0x40  # unused high nibble of the last byte
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row n=1, last byte .* high nibble"):
+        run(bad)
+
+
+def test_missing_or_foreign_library_gives_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(ops, "_library", None)
+    monkeypatch.setattr(ops, "library_path", lambda: str(tmp_path / "_sparse24_ops.so"))
+    with pytest.raises(ops.OpLibraryError, match=rf"expected {tmp_path}/_sparse24_ops.so for TensorFlow {tf.__version__}"):
+        ops.load_library()
+    (tmp_path / "_sparse24_ops.so").write_bytes(b"not a shared library")
+    with pytest.raises(ops.OpLibraryError, match=rf"could not load .*_sparse24_ops.so.* into TensorFlow {tf.__version__}"):
+        ops.load_library()
+    assert ops._library is None
+
+
+def test_library_records_its_tf_version():
+    built = ops._built_tf_version(ops.library_path())
+    assert built.split(".")[:2] == tf.__version__.split(".")[:2]
+    assert ops.load_library() is ops.load_library()
