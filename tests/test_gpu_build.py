@@ -14,7 +14,9 @@ Without nvcc the tests fail under CI=true and are skipped elsewhere.
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import glob
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -64,9 +66,24 @@ def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kwargs)
 
 
+def _source_key(commands: list[list[str]]) -> str:
+    """Hash of every C++/CUDA file under cc/ and of the build commands."""
+    digest = hashlib.sha256(repr(commands).encode())
+    for path in sorted(glob.glob(os.path.join(ROOT, "cc", "**", "*"), recursive=True)):
+        if path.endswith((".h", ".cc", ".cu")):
+            digest.update(path.encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="module")
-def build(nvcc: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Compiles the op library's GPU sources with setup.py's commands, and links gpu_check."""
+def build(nvcc: str) -> dict:
+    """Compiles the op library's GPU sources with setup.py's commands, and links gpu_check.
+
+    Built once per source state under build/test_gpu_build/<hash> (a file lock makes parallel
+    pytest workers share one build instead of compiling twice).
+    """
     import tensorflow as tf
 
     mp = pytest.MonkeyPatch()
@@ -74,23 +91,36 @@ def build(nvcc: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         setup = _load_setup_module(mp)
     finally:
         mp.undo()
-    out = tmp_path_factory.mktemp("gpu_build")
-    jobs = setup.gpu_compile_jobs(tf.sysconfig.get_compile_flags(), str(out), nvcc=nvcc)
-    harness_obj = str(out / "gpu_check.o")
+    flags = tf.sysconfig.get_compile_flags()
+    cache = os.path.join(ROOT, "build", "test_gpu_build")
+    os.makedirs(cache, exist_ok=True)
+    key = _source_key([cmd for cmd, _ in setup.gpu_compile_jobs(flags, "@OUT@", nvcc=nvcc)])
+    out = os.path.join(cache, key)
+    jobs = setup.gpu_compile_jobs(flags, out, nvcc=nvcc)
+    harness_obj = os.path.join(out, "gpu_check.o")
     jobs.append(([nvcc, *setup.NVCC_FLAGS, f"-I{ROOT}", "-c",
                   os.path.join(ROOT, "cc", "sparse24", "gpu_check.cu"), "-o", harness_obj],
                  harness_obj))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda job: (job, _run(job[0])), jobs))
-    failures = [f"{' '.join(job[0])}\n{r.stderr[-3000:]}" for job, r in results if r.returncode]
-    assert not failures, "GPU sources failed to compile:\n" + "\n\n".join(failures)
     objects = {os.path.basename(obj): obj for _, obj in jobs}
-    harness = str(out / "gpu_check")
-    lib_objs = [o for name, o in objects.items() if name.startswith("cc_sparse24_")]
-    link = _run([nvcc, *setup.CUDA_ARCH_FLAGS, harness_obj, *lib_objs, "-o", harness, "-ldl",
-                 "-lpthread"])
-    assert link.returncode == 0, link.stderr[-3000:]
-    return {"setup": setup, "objects": objects, "harness": harness, "dir": out}
+    harness = os.path.join(out, "gpu_check")
+    with open(os.path.join(cache, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(out, "done")):
+            for old in os.listdir(cache):
+                if old != "lock":
+                    shutil.rmtree(os.path.join(cache, old), ignore_errors=True)
+            os.makedirs(out)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+                results = list(pool.map(lambda job: (job, _run(job[0])), jobs))
+            failures = [f"{' '.join(job[0])}\n{r.stderr[-3000:]}" for job, r in results
+                        if r.returncode]
+            assert not failures, "GPU sources failed to compile:\n" + "\n\n".join(failures)
+            lib_objs = [o for name, o in objects.items() if name.startswith("cc_sparse24_")]
+            link = _run([nvcc, *setup.CUDA_ARCH_FLAGS, harness_obj, *lib_objs, "-o", harness,
+                         "-ldl", "-lpthread"])
+            assert link.returncode == 0, link.stderr[-3000:]
+            open(os.path.join(out, "done"), "w").close()
+    return {"setup": setup, "objects": objects, "harness": harness}
 
 
 def test_every_gpu_source_is_built_by_setup(build: dict) -> None:
@@ -118,12 +148,12 @@ def test_gpu_objects_hold_the_kernels(build: dict) -> None:
     assert "compress_kernel" in _run(["nm", "-C", kernels]).stdout
 
 
-def test_gpu_objects_link_with_a_private_cuda_runtime(build: dict) -> None:
+def test_gpu_objects_link_with_a_private_cuda_runtime(build: dict, tmp_path) -> None:
     """setup.py's GPU link flags leave no cuda* symbol to TensorFlow's CUDA 12 runtime stub."""
     import tensorflow as tf
 
     setup = build["setup"]
-    lib = str(build["dir"] / "gpu_only.so")
+    lib = str(tmp_path / "gpu_only.so")
     objects = [o for name, o in build["objects"].items() if name != "gpu_check.o"]
     link = _run(["g++", "-shared", *objects, "-o", lib, *setup.gpu_link_flags(),
                  *tf.sysconfig.get_link_flags()])
