@@ -38,7 +38,7 @@ def core_test_binary(tmp_path_factory) -> str:
     def compile_one(src: str) -> str:
         obj = str(out / (os.path.basename(src) + ".o"))
         flags = next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
-        cmd = [cxx, "-std=c++17", "-O1", "-g", "-Wall", *SANITIZE, *flags, f"-I{ROOT}", "-c", src, "-o", obj]
+        cmd = [cxx, "-std=c++17", "-O0", "-g", "-Wall", *SANITIZE, *flags, f"-I{ROOT}", "-c", src, "-o", obj]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         return obj
 

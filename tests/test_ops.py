@@ -140,8 +140,21 @@ def test_matmul_matches_float64(isa, dtype):
     rng = np.random.default_rng(3)
     # M = 1..4 run the GEMV kernels, larger M the panel kernels; odd N and K % 8 == 4 hit the tails.
     for batch, k, n in [((1,), 4, 1), ((3,), 12, 5), ((2, 2), 64, 17), ((37,), 260, 33),
-                        ((2, 35), 128, 67), ((1,), 1024, 40), ((0,), 8, 3), ((4, 0, 2), 8, 3)]:
+                        ((2, 35), 128, 67), ((1,), 1024, 40), ((0,), 8, 3), ((4, 0, 2), 8, 3),
+                        ((2,), 0, 3), ((3,), 8, 0)]:
         check_matmul(dtype, batch, k, n, rng)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    batch=st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple),
+    groups=st.integers(1, 40),
+    n=st.integers(1, 40),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_matmul_random_shapes_auto_isa(batch, groups, n, dtype, seed):
+    check_matmul(dtype, batch, 4 * groups, n, np.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2"], indirect=True)
@@ -167,6 +180,7 @@ def test_nan_inf_propagate_like_dense(isa):
 
 
 def test_forcing_isa(monkeypatch):
+    monkeypatch.setenv(ops.ISA_ENV_VAR, "auto")  # restored after the test, whatever set_cpu_isa did
     supported = ops.supported_cpu_isas()
     assert "scalar" in supported
     with pytest.raises(ValueError, match="unknown CPU kernel variant"):
