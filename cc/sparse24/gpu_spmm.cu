@@ -121,9 +121,11 @@ std::string LtMatmulPlan::init(LtContext* ctx, DType dtype, int64_t M, int64_t K
                      api.StructuredDescriptorInit(h, &a_, N, K, K, kAlignmentBytes, type,
                                                   lt::kOrderRow, lt::kSparsity50Percent));
   stage_ = 1;
-  LT_RETURN_IF_ERROR("cusparseLtDenseDescriptorInit(B = x^T)",
-                     api.DenseDescriptorInit(h, &b_, K, M, K, kAlignmentBytes, type,
-                                             lt::kOrderCol));
+  // B: x [M, K] row-major, used transposed (op(B) = x^T [K, M]), as torch's _cslt_sparse_mm does
+  // for x.t(); describing it as column-major [K, M] instead would be the same bytes.
+  LT_RETURN_IF_ERROR("cusparseLtDenseDescriptorInit(B = x)",
+                     api.DenseDescriptorInit(h, &b_, M, K, K, kAlignmentBytes, type,
+                                             lt::kOrderRow));
   stage_ = 2;
   LT_RETURN_IF_ERROR("cusparseLtDenseDescriptorInit(C = D = y^T)",
                      api.DenseDescriptorInit(h, &c_, N, M, N, kAlignmentBytes, type,
@@ -131,7 +133,7 @@ std::string LtMatmulPlan::init(LtContext* ctx, DType dtype, int64_t M, int64_t K
   stage_ = 3;
   LT_RETURN_IF_ERROR("cusparseLtMatmulDescriptorInit",
                      api.MatmulDescriptorInit(h, &matmul_, lt::kOpNonTranspose,
-                                              lt::kOpNonTranspose, &a_, &b_, &c_, &c_,
+                                              lt::kOpTranspose, &a_, &b_, &c_, &c_,
                                               lt::kCompute32F));
   stage_ = 4;
   LT_RETURN_IF_ERROR("cusparseLtMatmulAlgSelectionInit",

@@ -1,9 +1,10 @@
 // y = x @ W on the Sparse Tensor Cores through cuSPARSELt (framework-free).
 //
 // W [K, N] (Keras kernel, 2:4 along K) is cuSPARSELt's structured operand A = W^T [N, K] (row-major,
-// exactly the rows of sparse24/v1's values/meta); x [M, K] row-major is the dense operand B = x^T
-// (column-major [K, M]); the output D = y^T is column-major [N, M], i.e. y [M, N] row-major. This is
-// the layout of torch's F.linear on a semi-structured weight, so no transposes are materialised.
+// exactly the rows of sparse24/v1's values/meta); x [M, K] row-major is the dense operand B, used
+// transposed (op(B) = x^T [K, M]); the output D = y^T is column-major [N, M], i.e. y [M, N]
+// row-major. This is torch's _cslt_sparse_mm(W^T, x.t(), transpose_result=True) layout (its
+// F.linear on a semi-structured weight), so no transposes are materialised.
 //
 // Usage: LtContext::get() once per device; per weight an LtSparseOperand (compress once, keep the
 // compressed buffer); per (M, K, N) an LtMatmulPlan. Memory is always the caller's (TF's allocator
