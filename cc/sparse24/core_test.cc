@@ -22,22 +22,22 @@ namespace {
 int g_failures = 0;
 int64_t g_checks = 0;
 
-#define CHECK(cond, ...)                                \
-  do {                                                  \
-    ++g_checks;                                         \
-    if (!(cond)) {                                      \
-      ++g_failures;                                     \
-      std::printf("FAIL %s:%d: ", __FILE__, __LINE__);  \
-      std::printf(__VA_ARGS__);                         \
-      std::printf("\n");                                \
-    }                                                   \
+#define CHECK(cond, ...)                               \
+  do {                                                 \
+    ++g_checks;                                        \
+    if (!(cond)) {                                     \
+      ++g_failures;                                    \
+      std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
+      std::printf(__VA_ARGS__);                        \
+      std::printf("\n");                               \
+    }                                                  \
   } while (0)
 
 using sparse24::DType;
 
 // A straight per-group transcription of docs/FORMAT.md, independent of format.cc's tables.
-void reference_compress(const std::vector<float>& w, int64_t k, int64_t n, std::vector<float>* values,
-                        std::vector<uint8_t>* meta) {
+void reference_compress(const std::vector<float>& w, int64_t k, int64_t n,
+                        std::vector<float>* values, std::vector<uint8_t>* meta) {
   values->assign(n * k / 2, 0.0f);
   meta->assign(n * sparse24::meta_cols(k), 0);
   for (int64_t c = 0; c < n; ++c) {
@@ -125,7 +125,8 @@ void test_compress_round_trip(std::mt19937* rng) {
       CHECK(error.empty(), "compress k=%ld n=%ld: %s", (long)k, (long)n, error.c_str());
       reference_compress(w, k, n, &ref_values, &ref_meta);
       bool same = meta == ref_meta;
-      for (size_t i = 0; i < values.size(); ++i) same &= bits_of(values[i]) == bits_of(ref_values[i]);
+      for (size_t i = 0; i < values.size(); ++i)
+        same &= bits_of(values[i]) == bits_of(ref_values[i]);
       CHECK(same, "compress k=%ld n=%ld differs from the reference", (long)k, (long)n);
       std::vector<float> back(k * n, 1.0f);
       const std::string derr =
@@ -140,9 +141,9 @@ void test_compress_round_trip(std::mt19937* rng) {
       std::vector<uint16_t> w16(k * n), v16(n * k / 2);
       for (int64_t i = 0; i < k * n; ++i) w16[i] = sparse24::f32_to_bf16(w[i]);
       std::vector<uint8_t> meta16(meta.size());
-      CHECK(sparse24::compress(DType::kBFloat16, w16.data(), k, n, v16.data(), meta16.data())
-                .empty(),
-            "bf16 compress");
+      CHECK(
+          sparse24::compress(DType::kBFloat16, w16.data(), k, n, v16.data(), meta16.data()).empty(),
+          "bf16 compress");
       CHECK(meta16 == meta, "bf16 meta differs from f32 meta for the same matrix");
     }
   }
@@ -182,10 +183,10 @@ void test_validate_meta_every_byte() {
     meta[i] = static_cast<uint8_t>(saved ^ 0x30);  // high nibble 0x4 -> 0x7: (3, 1), descending
     const std::string error = sparse24::validate_meta(meta.data(), k, 0, n);
     const int64_t row = i / cols, group = 2 * (i % cols) + 1;
-    const std::string want = (i % cols == cols - 1)
-                                 ? "row n=" + std::to_string(row) + ", last byte"
-                                 : "row n=" + std::to_string(row) + ", group g=" +
-                                       std::to_string(group) + " has positions (3, 1)";
+    const std::string want = (i % cols == cols - 1) ? "row n=" + std::to_string(row) + ", last byte"
+                                                    : "row n=" + std::to_string(row) +
+                                                          ", group g=" + std::to_string(group) +
+                                                          " has positions (3, 1)";
     CHECK(error.find(want) != std::string::npos, "byte %ld: '%s' lacks '%s'", (long)i,
           error.c_str(), want.c_str());
     meta[i] = saved;
@@ -211,8 +212,9 @@ void test_half() {
   for (uint32_t h = 0; h < 65536; ++h) {
     const double want = half_reference(static_cast<uint16_t>(h));
     const float got = sparse24::f16_to_f32(static_cast<uint16_t>(h));
-    if (std::isnan(want) ? !std::isnan(got) : (static_cast<double>(got) != want ||
-                                                std::signbit(got) != std::signbit(want))) {
+    if (std::isnan(want)
+            ? !std::isnan(got)
+            : (static_cast<double>(got) != want || std::signbit(got) != std::signbit(want))) {
       ++bad;
     } else if (!std::isnan(want) && sparse24::f32_to_f16(got) != h) {
       ++bad;  // every half value survives the round trip
@@ -281,7 +283,9 @@ void test_spmm(std::mt19937* rng) {
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
     if (!sparse24::isa_supported(isa)) continue;
     for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-      const double rtol = dtype == DType::kFloat32 ? 2e-6 : dtype == DType::kFloat16 ? 1.5e-3 : 1.2e-2;
+      const double rtol = dtype == DType::kFloat32   ? 2e-6
+                          : dtype == DType::kFloat16 ? 1.5e-3
+                                                     : 1.2e-2;
       for (int64_t m : {1, 3, 4, 5, 33, 70}) {
         for (int64_t k : {4, 12, 64, 260}) {
           for (int64_t n : {1, 7, 40}) {
@@ -297,8 +301,8 @@ void test_spmm(std::mt19937* rng) {
             CHECK(error.empty(), "compress for spmm: %s", error.c_str());
             const int64_t ldy = n + 3;  // a padded output row stride
             std::vector<uint8_t> y(m * ldy * sparse24::dtype_size(dtype), 0xEE);
-            sparse24::SpmmArgs args{dtype, x_packed.data(), k, values.data(), meta.data(),
-                                    m, k, n, y.data(), ldy};
+            sparse24::SpmmArgs args{dtype, x_packed.data(), k,  values.data(), meta.data(), m, k,
+                                    n,     y.data(),        ldy};
             sparse24::spmm(args, isa, serial);
             std::vector<uint32_t> y_slots(m * ldy, 0);
             for (int64_t i = 0; i < m * ldy; ++i) {
@@ -310,8 +314,8 @@ void test_spmm(std::mt19937* rng) {
               for (int64_t c = 0; c < n; ++c) {
                 double ref = 0, scale = 0;
                 for (int64_t i = 0; i < k; ++i) {
-                  const double p = static_cast<double>(load(dtype, x, r * k + i)) *
-                                   load(dtype, w, i * n + c);
+                  const double p =
+                      static_cast<double>(load(dtype, x, r * k + i)) * load(dtype, w, i * n + c);
                   ref += p;
                   scale += std::fabs(p);
                 }

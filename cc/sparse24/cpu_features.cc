@@ -35,7 +35,7 @@ Features detect() {
   const bool fma = ecx & (1u << 12), f16c = ecx & (1u << 29);
   if (!osxsave || !avx) return f;
   const uint64_t xcr0 = xgetbv0();
-  const bool os_ymm = (xcr0 & 0x6) == 0x6;             // SSE + AVX state saved by the OS
+  const bool os_ymm = (xcr0 & 0x6) == 0x6;              // SSE + AVX state saved by the OS
   const bool os_zmm = os_ymm && (xcr0 & 0xe0) == 0xe0;  // opmask + ZMM_Hi256 + Hi16_ZMM
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return f;
   const bool avx2 = ebx & (1u << 5);

@@ -164,9 +164,11 @@ std::string decompress(DType dtype, const void* values, const uint8_t* meta, int
   std::string error = validate_meta(meta, k, 0, n);
   if (!error.empty()) return error;
   if (dtype_size(dtype) == 4) {
-    decompress_impl(static_cast<const uint32_t*>(values), meta, k, n, static_cast<uint32_t*>(dense));
+    decompress_impl(static_cast<const uint32_t*>(values), meta, k, n,
+                    static_cast<uint32_t*>(dense));
   } else {
-    decompress_impl(static_cast<const uint16_t*>(values), meta, k, n, static_cast<uint16_t*>(dense));
+    decompress_impl(static_cast<const uint16_t*>(values), meta, k, n,
+                    static_cast<uint16_t*>(dense));
   }
   return std::string();
 }

@@ -4,10 +4,10 @@
 #include <cstdlib>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "cc/sparse24/cpu_features.h"
 #include "cc/sparse24/format.h"
 #include "cc/sparse24/spmm.h"
-#include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -15,7 +15,7 @@
 namespace tensorflow {
 namespace {
 
-// absl::InvalidArgumentError with a message built from pieces (errors::InvalidArgument is deprecated).
+// absl::InvalidArgumentError from message pieces (errors::InvalidArgument is deprecated).
 template <typename... Args>
 absl::Status InvalidArgument(const Args&... args) {
   return absl::InvalidArgumentError(absl::StrCat(args...));
@@ -26,11 +26,17 @@ constexpr char kIsaEnvVar[] = "TF_SPARSE24_CPU_ISA";
 template <typename T>
 constexpr sparse24::DType ToDType();
 template <>
-constexpr sparse24::DType ToDType<float>() { return sparse24::DType::kFloat32; }
+constexpr sparse24::DType ToDType<float>() {
+  return sparse24::DType::kFloat32;
+}
 template <>
-constexpr sparse24::DType ToDType<bfloat16>() { return sparse24::DType::kBFloat16; }
+constexpr sparse24::DType ToDType<bfloat16>() {
+  return sparse24::DType::kBFloat16;
+}
 template <>
-constexpr sparse24::DType ToDType<Eigen::half>() { return sparse24::DType::kFloat16; }
+constexpr sparse24::DType ToDType<Eigen::half>() {
+  return sparse24::DType::kFloat16;
+}
 
 std::string SupportedIsas() {
   std::string names;
@@ -48,11 +54,11 @@ absl::Status RequestedIsa(sparse24::Isa* isa) {
   if (name == nullptr || name[0] == '\0') name = "auto";
   if (!sparse24::parse_isa(name, isa)) {
     return InvalidArgument(kIsaEnvVar, "='", name,
-                                   "' is not a CPU kernel variant; use auto, scalar, avx2 or avx512");
+                           "' is not a CPU kernel variant; use auto, scalar, avx2 or avx512");
   }
   if (!sparse24::isa_supported(*isa)) {
     return InvalidArgument(kIsaEnvVar, "=", name, " asks for a kernel variant this CPU ",
-                                   "cannot run; it supports: ", SupportedIsas());
+                           "cannot run; it supports: ", SupportedIsas());
   }
   return absl::OkStatus();
 }
@@ -61,8 +67,8 @@ sparse24::ParallelFor PoolParallelFor(OpKernelContext* ctx) {
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return [workers](int64_t total, int64_t cost_per_unit,
                    const std::function<void(int64_t, int64_t)>& fn) {
-    workers->ParallelFor(
-        total, tsl::thread::ThreadPool::SchedulingParams::Adaptive(cost_per_unit), fn);
+    workers->ParallelFor(total, tsl::thread::ThreadPool::SchedulingParams::Adaptive(cost_per_unit),
+                         fn);
   };
 }
 
@@ -73,16 +79,14 @@ absl::Status CheckCompressed(const char* op, const Tensor& values, const Tensor&
   }
   if (values.dims() != 2 || meta.dims() != 2) {
     return InvalidArgument(op, ": values and meta must be 2-D [N, K/2] and [N, ceil(K/8)], got ",
-                                   values.shape().DebugString(), " and ",
-                                   meta.shape().DebugString());
+                           values.shape().DebugString(), " and ", meta.shape().DebugString());
   }
   const int64_t n = values.dim_size(0);
   if (values.dim_size(1) != k / 2 || meta.dim_size(0) != n ||
       meta.dim_size(1) != sparse24::meta_cols(k)) {
     return InvalidArgument(op, ": for K=", k, " values must be [N, ", k / 2, "] and meta [N, ",
-                                   sparse24::meta_cols(k), "] with the same N, got values ",
-                                   values.shape().DebugString(), " and meta ",
-                                   meta.shape().DebugString());
+                           sparse24::meta_cols(k), "] with the same N, got values ",
+                           values.shape().DebugString(), " and meta ", meta.shape().DebugString());
   }
   return absl::OkStatus();
 }
@@ -96,11 +100,11 @@ class Sparse24CompressOp : public OpKernel {
     const Tensor& dense = ctx->input(0);
     OP_REQUIRES(ctx, dense.dims() == 2,
                 InvalidArgument("Sparse24Compress expects a 2-D [K, N] matrix, got shape ",
-                                        dense.shape().DebugString()));
+                                dense.shape().DebugString()));
     const int64_t k = dense.dim_size(0), n = dense.dim_size(1);
     OP_REQUIRES(ctx, k % 4 == 0,
                 InvalidArgument("Sparse24Compress: K (rows) must be a multiple of 4, got ",
-                                        "shape ", dense.shape().DebugString()));
+                                "shape ", dense.shape().DebugString()));
     Tensor* values = nullptr;
     Tensor* meta = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, k / 2}), &values));
@@ -170,8 +174,8 @@ class Sparse24MatMulOp : public OpKernel {
       if (!sparse24::validate_meta(meta_data, k, r0, r1).empty()) meta_ok = false;
     });
     if (!meta_ok) {
-      ctx->CtxFailure(InvalidArgument(
-          "Sparse24MatMul: ", sparse24::validate_meta(meta_data, k, 0, n)));
+      ctx->CtxFailure(
+          InvalidArgument("Sparse24MatMul: ", sparse24::validate_meta(meta_data, k, 0, n)));
       return;
     }
     sparse24::SpmmArgs args;
@@ -189,13 +193,12 @@ class Sparse24MatMulOp : public OpKernel {
   }
 };
 
-#define REGISTER_CPU(T)                                                                     \
-  REGISTER_KERNEL_BUILDER(Name("Sparse24Compress").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-                          Sparse24CompressOp<T>);                                           \
-  REGISTER_KERNEL_BUILDER(                                                                  \
-      Name("Sparse24Decompress").Device(DEVICE_CPU).TypeConstraint<T>("T"),                 \
-      Sparse24DecompressOp<T>);                                                             \
-  REGISTER_KERNEL_BUILDER(Name("Sparse24MatMul").Device(DEVICE_CPU).TypeConstraint<T>("T"),   \
+#define REGISTER_CPU(T)                                                                         \
+  REGISTER_KERNEL_BUILDER(Name("Sparse24Compress").Device(DEVICE_CPU).TypeConstraint<T>("T"),   \
+                          Sparse24CompressOp<T>);                                               \
+  REGISTER_KERNEL_BUILDER(Name("Sparse24Decompress").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          Sparse24DecompressOp<T>);                                             \
+  REGISTER_KERNEL_BUILDER(Name("Sparse24MatMul").Device(DEVICE_CPU).TypeConstraint<T>("T"),     \
                           Sparse24MatMulOp<T>);
 
 REGISTER_CPU(float);
@@ -210,7 +213,8 @@ REGISTER_CPU(Eigen::half);
 // against, and which CPU kernel variants this machine runs.
 extern "C" {
 
-// setup.py defines TF_SPARSE24_TF_VERSION from tf.__version__ (TF's headers carry no version macro).
+// setup.py defines TF_SPARSE24_TF_VERSION from tf.__version__ (TF's headers carry no version
+// macro).
 #ifndef TF_SPARSE24_TF_VERSION
 #define TF_SPARSE24_TF_VERSION "unknown"
 #endif

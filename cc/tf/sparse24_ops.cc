@@ -12,7 +12,7 @@ using shape_inference::DimensionHandle;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
-// absl::InvalidArgumentError with a message built from pieces (errors::InvalidArgument is deprecated).
+// absl::InvalidArgumentError from message pieces (errors::InvalidArgument is deprecated).
 template <typename... Args>
 absl::Status InvalidArgument(const Args&... args) {
   return absl::InvalidArgumentError(absl::StrCat(args...));
