@@ -163,3 +163,8 @@ def is_nm_sparse(weight, pattern: str = "2:4", axis: int = 0) -> bool:
     nonzeros = tf.reduce_sum(tf.cast(groups != 0, tf.int32), axis=1)
     return bool(tf.reduce_all(nonzeros <= n))
 
+
+# Methods defined in their own modules (they only need TF, so importing them last is safe).
+from tf_sparse24.transposable import TRANSPOSABLE_METHODS  # noqa: E402
+
+MASK_METHODS.update(TRANSPOSABLE_METHODS)

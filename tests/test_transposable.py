@@ -1,0 +1,120 @@
+"""Tests for transposable 2:4 masks (tf_sparse24.transposable) against numpy references."""
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tf_sparse24.masks import MASK_METHODS, compute_mask
+from tf_sparse24.transposable import PATTERNS_4X4
+
+
+@functools.cache
+def _all_patterns():
+    """Every 4x4 0/1 matrix with two ones per row and per column, by brute force over 2^16."""
+    out = []
+    for bits in range(1 << 16):
+        m = np.array([(bits >> i) & 1 for i in range(16)]).reshape(4, 4)
+        if (m.sum(0) == 2).all() and (m.sum(1) == 2).all():
+            out.append(m)
+    return np.array(out)
+
+
+def _blocks_2d(w2d):
+    k, n = w2d.shape
+    for bk, bn in itertools.product(range(0, k, 4), range(0, n, 4)):
+        yield (slice(bk, bk + 4), slice(bn, bn + 4))
+
+
+def _exact_reference_kept(w2d):
+    patterns = _all_patterns()
+    total = 0.0
+    for block in _blocks_2d(w2d):
+        mag = np.abs(w2d[block]).astype(np.float64)
+        total += (patterns * mag).sum(axis=(1, 2)).max()
+    return total
+
+
+def _greedy_reference(w2d):
+    mask = np.zeros_like(w2d)
+    for block in _blocks_2d(w2d):
+        mag = np.abs(w2d[block])
+        rows, cols = [0] * 4, [0] * 4
+        for flat in sorted(range(16), key=lambda i: (-mag.flat[i], i)):
+            r, c = divmod(flat, 4)
+            if rows[r] < 2 and cols[c] < 2:
+                rows[r] += 1
+                cols[c] += 1
+                mask[block][r, c] = 1
+    return mask
+
+
+def _to_2d(w, axis):
+    return w.reshape(int(np.prod(w.shape[: axis + 1])), -1)
+
+
+def _assert_transposable(mask2d, exact_two=True):
+    k, n = mask2d.shape
+    along_k = mask2d.reshape(k // 4, 4, n).sum(1)
+    along_n = mask2d.reshape(k, n // 4, 4).sum(2)
+    if exact_two:
+        assert (along_k == 2).all() and (along_n == 2).all()
+    else:
+        assert (along_k <= 2).all() and (along_n <= 2).all()
+
+
+def test_patterns_are_the_90_transposable_4x4_masks():
+    assert PATTERNS_4X4.shape == (90, 4, 4)
+    assert {p.tobytes() for p in PATTERNS_4X4.astype(np.int64)} == {p.tobytes() for p in _all_patterns().astype(np.int64)}
+    assert set(MASK_METHODS) >= {"magnitude", "transposable", "transposable_greedy"}
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    shape=st.sampled_from([(8, 8), (16, 4), (4, 12), (3, 3, 8, 4), (2, 4, 8)]),
+    seed=st.integers(0, 10_000),
+)
+def test_exact_matches_brute_force_and_greedy_matches_loop_reference(shape, seed):
+    axis = len(shape) - 2
+    w = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    w2d = _to_2d(w, axis)
+    exact = compute_mask(w, axis=axis, method="transposable").numpy()
+    assert exact.shape == w.shape and exact.dtype == np.float32
+    _assert_transposable(_to_2d(exact, axis))
+    kept = float((np.abs(w2d).astype(np.float64) * _to_2d(exact, axis)).sum())
+    assert kept == pytest.approx(_exact_reference_kept(w2d), rel=1e-6)
+
+    greedy = compute_mask(w, axis=axis, method="transposable_greedy").numpy()
+    np.testing.assert_array_equal(_to_2d(greedy, axis), _greedy_reference(w2d))
+    _assert_transposable(_to_2d(greedy, axis), exact_two=False)
+    # (Greedy can keep more than the exact method: its <=2-per-line masks are not always subsets of
+    # the 90 two-per-line patterns.)
+
+
+def test_transposable_keeps_no_more_than_plain_2to4_and_masks_both_ways():
+    w = np.random.default_rng(1).normal(size=(64, 32)).astype(np.float32)
+    plain = compute_mask(w).numpy()
+    exact = compute_mask(w, method="transposable").numpy()
+    assert (np.abs(w) * exact).sum() <= (np.abs(w) * plain).sum() + 1e-4
+    assert (compute_mask(w.T * exact.T, method="magnitude").numpy() * exact.T == exact.T).all()
+
+
+def test_ties_are_deterministic_and_half_precision_works():
+    w = tf.ones([8, 8], tf.float16)
+    a = compute_mask(w, method="transposable").numpy()
+    b = compute_mask(w, method="transposable").numpy()
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a[:4, :4], PATTERNS_4X4[0])  # first pattern wins ties
+    assert a.dtype == np.float16
+    _assert_transposable(a.astype(np.float32))
+
+
+def test_bad_shapes_and_patterns_raise():
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="multiple of 4"):
+        compute_mask(tf.ones([8, 6]), method="transposable")
+    with pytest.raises(ValueError, match="2:4 pattern only"):
+        compute_mask(tf.ones([8, 8]), pattern="1:4", method="transposable_greedy")
