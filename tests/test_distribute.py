@@ -15,12 +15,12 @@ from helpers import procs, scenario
 EPOCHS = 3
 
 
-def single_device_reference(epochs: int, momentum: float = 0.9) -> tuple[dict, np.ndarray]:
+def single_device_reference(epochs: int) -> tuple[dict, np.ndarray]:
     """The same prune + fine-tune on this process's default (single) device."""
     dense = scenario.dense_model(seed=0)
     initial = {f"{layer.name}/kernel": layer.kernel.numpy() for layer in dense.layers}
     model = tf_sparse24.prune(dense)
-    model.compile(keras.optimizers.SGD(0.05, momentum=momentum), "mse")
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
     x, y = scenario.data()
     history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
                         callbacks=[tf_sparse24.Sparse24Callback()])

@@ -66,9 +66,7 @@ def main(out: str, epochs: int, seed: int) -> None:
         callbacks.on_epoch_end(epoch, {"loss": total / steps})
     callbacks.on_train_end()
 
-    arrays = {f"{k}:{f}": v for k, d in scenario.pruned_state(model).items() for f, v in d.items()}
-    arrays["loss"] = np.array(model.history.history["loss"])
-    np.savez(out, **arrays)
+    np.savez(out, loss=np.array(model.history.history["loss"]), **scenario.flat_state(model))
 
 
 if __name__ == "__main__":
