@@ -20,7 +20,7 @@ namespace spmm_internal {
 namespace panel {
 
 constexpr int64_t kTileCols = 64;     // columns whose partial sums share the tile buffer
-constexpr int64_t kPrefetchCols = 2;  // how far ahead a column's values are prefetched
+constexpr int64_t kPrefetchCols = 4;  // how far ahead a column's values are prefetched
 
 // V: SIMD traits with `using reg`, `kLanes`, zero(), load(const float*), store(float*, reg),
 // broadcast(const float*), fmadd(a, b, c) = a * b + c, add(a, b), and
