@@ -23,8 +23,11 @@ def pruned_mlp(seed=0):
     return ts.prune(model)
 
 
-def compile_(model, optimizer):
-    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+def compile_(model, optimizer, eager=True):
+    """Eager keeps these tests fast; the optimizer tests below also run the compiled train step."""
+    model.compile(
+        optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=eager
+    )
 
 
 def masks(model):
@@ -42,7 +45,7 @@ def masks(model):
 )
 def test_fit_keeps_exact_24_and_logs(optimizer, tmp_path):
     model = pruned_mlp()
-    compile_(model, optimizer())
+    compile_(model, optimizer(), eager=False)
     before = masks(model)
     log = tmp_path / "log.csv"
     history = model.fit(
@@ -110,14 +113,14 @@ def test_dense_warmup_then_masks_at_start_step_then_periodic_updates():
 def test_resume_with_initial_epoch_does_not_recompute(keep_optimizer):
     model = pruned_mlp()
     compile_(model, keras.optimizers.Adam(0.05))
-    model.fit(X, Y, batch_size=16, epochs=2, verbose=0, callbacks=[ts.Sparse24Callback(start_step=2)])
+    model.fit(X, Y, batch_size=32, epochs=2, verbose=0, callbacks=[ts.Sparse24Callback(start_step=2)])
     after_first = masks(model)
     assert all(m.mean() == 0.5 for m in after_first)
     if not keep_optimizer:  # e.g. weights restored from .weights.h5: optimizer.iterations is 0
         compile_(model, keras.optimizers.Adam(0.05))
     recorder = Recorder()
     history = model.fit(
-        X, Y, batch_size=16, epochs=4, initial_epoch=2, verbose=0,
+        X, Y, batch_size=32, epochs=4, initial_epoch=2, verbose=0,
         callbacks=[ts.Sparse24Callback(start_step=2), recorder],
     )
     assert history.history["sparse24_valid"] == [1.0, 1.0]

@@ -38,7 +38,7 @@ def weights_and_pattern(draw):
     return w.astype(dtype), n, m, axis
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(weights_and_pattern())
 def test_mask_matches_numpy_reference(case):
     w, n, m, axis = case

@@ -190,3 +190,20 @@ def test_weights_h5_and_checkpoint_round_trips(tmp_path):
     tf.train.Checkpoint(model=model).restore(prefix).assert_existing_objects_matched()
     assert all(float(tf.reduce_mean(m)) == (0.25 if i < 4 else 0.5) for i, m in enumerate(_masks(model)))
     np.testing.assert_allclose(model(SEQ), expected, atol=1e-6)
+
+
+def test_keras_sequence_masks_pass_through_wrappers():
+    tokens = np.array([[3, 4, 0, 0, 0], [1, 2, 3, 0, 0]])
+    emb = keras.layers.Embedding(10, 8, mask_zero=True)
+    dense, lstm, last = keras.layers.Dense(8), keras.layers.LSTM(8, return_sequences=True), keras.layers.LSTM(4)
+
+    def build(wrap):
+        inp = keras.Input((None,), dtype="int32")
+        h = wrap(dense)(emb(inp))
+        return keras.Model(inp, last(wrap(lstm)(h)))
+
+    reference, wrapped = build(lambda layer: layer), build(Sparse24)
+    np.testing.assert_allclose(wrapped(tokens), reference(tokens), atol=1e-6)
+    out = np.asarray(wrapped(tokens))
+    for row, length in ((0, 2), (1, 3)):  # masking padded steps == truncating them
+        np.testing.assert_allclose(out[row], np.asarray(reference(tokens[row:row + 1, :length]))[0], atol=1e-5)

@@ -57,6 +57,7 @@ class Sparse24(keras.layers.Wrapper):
         kwargs.setdefault("name", f"sparse24_{layer.name}")
         super().__init__(layer, **kwargs)
         self.pattern = pattern
+        self.supports_masking = layer.supports_masking  # Keras masks pass through like the layer's
         self._spec = dict(weights) if weights is not None else None
         self.pruned_weights: list[PrunedWeight] = []
 
@@ -94,6 +95,9 @@ class Sparse24(keras.layers.Wrapper):
         if not self.layer.built:  # multi-input layers (MHA) build from their own call signature
             self.layer(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    def compute_mask(self, inputs, previous_mask=None):
+        return self.layer.compute_mask(inputs, previous_mask)
 
     def get_build_config(self):
         return {"layer": self.layer.get_build_config()}
