@@ -4,17 +4,20 @@
 directory) that stores every 2:4 kernel in `sparse24/v1` form (`values` + `meta`, about 0.53x of the
 dense bytes for float32) and every other model variable as a plain copy. The saved object is a
 `tf.Module` that owns only these `tf.Variable`s; its serving function runs the Keras model under
-`keras.StatelessScope`, mapping each Keras variable to a tensor rebuilt from the stored ones, so the
+`keras.StatelessScope`, mapping each Keras variable to a tensor built from the stored ones, so the
 Keras variables are never captured and nothing is saved twice. This works for any layer type.
 
 Modes:
-* `portable`: kernels are rebuilt with stock TensorFlow ops (`tf_sparse24.portable.decompress`), so
-  stock TensorFlow Serving and `tf.saved_model.load` without this package serve it.
+* `portable`: stock TensorFlow ops only, so stock TensorFlow Serving, `saved_model_cli` and
+  `tf.saved_model.load` without this package serve it. Each pruned kernel is decompressed once,
+  when the SavedModel loads (`tf_sparse24.portable.decompress` in a resource initializer), into an
+  in-memory dense kernel: small on disk, dense speed and dense memory when serving.
 * `accelerated`: `keras.layers.Dense` layers of Functional and Sequential models (nested ones too)
-  multiply with `Sparse24MatMul` on the compressed weights; every other pruned kernel (Conv, the
-  EinsumDense projections of MultiHeadAttention, RNN kernels, Dense layers of subclassed models) is
-  rebuilt with `Sparse24Decompress`. Loading needs the op library (`import tf_sparse24`; TF Serving:
-  link `//cc:sparse24_ops`). The metadata records which kernel each weight runs on.
+  multiply with `Sparse24MatMul` on the compressed weights at every call (compressed in memory).
+  Every other pruned kernel (Conv, the EinsumDense projections of MultiHeadAttention, RNN kernels,
+  Dense layers of subclassed models) is decompressed at load with `Sparse24Decompress`. Loading
+  needs the op library (`import tf_sparse24`; TF Serving: link `//cc:sparse24_ops`). The metadata
+  records, per weight, `kernel`: "sparse24_matmul" or "dense_at_load".
 
 Example:
     >>> tf_sparse24.export(pruned_model, "models/mnist/1")
@@ -30,6 +33,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 from typing import Any
 
 import keras
@@ -380,6 +384,35 @@ class _SparseDense(keras.layers.Layer):
         return self.dense.activation(y) if self.dense.activation is not None else y
 
 
+class _DenseKernel(tf.saved_model.experimental.TrackableResource):
+    """A pruned kernel rebuilt once, when the SavedModel loads, into a dense resource variable.
+
+    Only `values` and `meta` are saved. Loading (`tf.saved_model.load`, or the init op that
+    TensorFlow Serving and `saved_model_cli` run after restoring the variables) calls `_initialize`,
+    which decompresses into the variable; serving then reads a plain dense kernel, so a layer runs
+    at dense speed. The variable is shared by name (unique per export) and never destroyed by a
+    loaded object, so two loads of one export in a process share it safely.
+    """
+
+    def __init__(self, values, meta, k: int, shape, decompress):
+        self._values, self._meta, self._k, self._shape = values, meta, k, list(shape)
+        self._decompress = decompress
+        self._shared_name = f"tf_sparse24_{uuid.uuid4().hex}"
+        super().__init__()
+
+    def _create_resource(self):
+        return tf.raw_ops.VarHandleOp(
+            dtype=self._values.dtype, shape=self._shape, shared_name=self._shared_name
+        )
+
+    def _initialize(self):
+        dense = tf.reshape(self._decompress(self._values, self._meta, self._k), self._shape)
+        return tf.raw_ops.AssignVariableOp(resource=self.resource_handle, value=dense)
+
+    def read(self) -> tf.Tensor:
+        return tf.raw_ops.ReadVariableOp(resource=self.resource_handle, dtype=self._values.dtype)
+
+
 def _runs_sparse(item: _Sparse) -> bool:
     layer = item.layer
     return (
@@ -417,7 +450,7 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
     dense_values = [v.numpy() for v in dense_vars]
     module.dense = [tf.Variable(value, trainable=False) for value in dense_values]
 
-    kernel = {id(s.variable): "decompress" for s in sparse}
+    kernel = {id(s.variable): "dense_at_load" for s in sparse}
     serving_model = model
     if mode == "accelerated":
         stored = {
@@ -428,20 +461,20 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
         if _is_functional(model):
             serving_model = _accelerated_model(model, stored, ops)
             kernel.update({id(s.variable): "sparse24_matmul" for s in sparse if id(s.layer) in stored})
-
-    def rebuild(i: int, s: _Sparse) -> tf.Tensor:
-        values, meta = module.sparse_values[i], module.sparse_meta[i]
-        if mode == "accelerated":
-            dense = ops.sparse24_decompress(values, meta, s.k)
-        else:
-            dense = portable.decompress(values, meta, s.k)
-        return tf.reshape(dense, s.variable.shape)
+    decompress = ops.sparse24_decompress if mode == "accelerated" else portable.decompress
+    caches = {
+        i: _DenseKernel(module.sparse_values[i], module.sparse_meta[i], s.k,
+                        s.variable.shape, decompress)
+        for i, s in enumerate(sparse)
+        if kernel[id(s.variable)] == "dense_at_load"
+    }  # fmt: skip
+    module.dense_kernels = list(caches.values())
 
     def serve(*inputs):
         mapping = []
         for i, s in enumerate(sparse):
-            if kernel[id(s.variable)] == "decompress":
-                mapping.append((s.variable, rebuild(i, s)))
+            if i in caches:
+                mapping.append((s.variable, caches[i].read()))
             if s.mask is not None:
                 mapping.append((s.mask, tf.ones(s.mask.shape, s.mask.dtype)))
         mapping += list(zip(dense_vars, (tf.identity(v) for v in module.dense)))
