@@ -343,7 +343,9 @@ def test_bad_arguments(mixed, tmp_path):
 
 def tiny_model() -> keras.Model:
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,), name="features"), keras.layers.Dense(4)])
+    model = keras.Sequential(
+        [keras.Input((8,), name="features"), keras.layers.Dense(4, name="scores")]
+    )
     prune_plain_layers(model)
     return model
 
@@ -361,7 +363,7 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
     assert sorted(os.listdir(tmp_path / "m")) == ["1"]  # the old one is gone, no temp left
     x = np.ones((2, 8), np.float32)
     out = load(target).signatures["serving_default"](features=tf.constant(x))
-    np.testing.assert_allclose(out["dense"].numpy(), model(x).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(out["scores"].numpy(), model(x).numpy(), rtol=1e-6)
 
 
 def _corrupt_copy(mixed, tmp_path, edit):
