@@ -455,6 +455,29 @@ void check_matmul(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int
   Check c = check_product(p, y, M, rows);
   verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
           fmt("fallback spmm_simple rel err %.2e, unwritten %ld, ", c.rel_err, (long)c.bad_outputs) + shape);
+  // The op's repair path: spmm_simple_unless leaves y alone when the weight's fingerprint is the
+  // expected one, and computes it when not.
+  {
+    Buf fp(sizeof(unsigned long long));
+    CUDA_OK(cudaMemset(fp.p, 0, fp.bytes));
+    CUDA_OK(gpu::fingerprint_add(p.values.p, p.values.bytes, 1, fp.get<unsigned long long>(), 0));
+    CUDA_OK(gpu::fingerprint_add(p.meta.p, p.meta.bytes, 2, fp.get<unsigned long long>(), 0));
+    unsigned long long now;
+    CUDA_OK(cudaMemcpy(&now, fp.p, sizeof(now), cudaMemcpyDeviceToHost));
+    y.poison();
+    CUDA_OK(gpu::spmm_simple_unless(t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p,
+                                    fp.get<unsigned long long>(), now, 0));
+    const std::vector<uint8_t> untouched = y.host();
+    const bool all_poison = std::all_of(untouched.begin(), untouched.end(), [](uint8_t b) { return b == 0xff; });
+    y.poison();
+    CUDA_OK(gpu::spmm_simple_unless(t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p,
+                                    fp.get<unsigned long long>(), now + 1, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    c = check_product(p, y, M, rows);
+    verdict(all_poison && c.bad_outputs == 0 && c.rel_err < tolerance(t),
+            fmt("spmm_simple_unless: skips on the expected fingerprint (%s), computes otherwise "
+                "(rel err %.2e), ", all_poison ? "y untouched" : "y WRITTEN", c.rel_err) + shape);
+  }
   if (t == DType::kFloat32) return;
   y.poison();
   cublas_run(cb, p, M, p.w.p, p.x.p, y.p);

@@ -42,6 +42,14 @@ cudaError_t decompress(DType dtype, const void* values, const uint8_t* meta, int
 cudaError_t spmm_simple(DType dtype, const void* x, const void* values, const uint8_t* meta,
                         int64_t M, int64_t K, int64_t N, void* y, cudaStream_t stream);
 
+// spmm_simple, unless *fingerprint == expected (device memory, read when the kernel runs): then it
+// leaves y alone. Lets a cached result be repaired on the device, without a host round trip, when
+// the weight turns out to have changed (see Sparse24MatMul's GPU kernel).
+cudaError_t spmm_simple_unless(DType dtype, const void* x, const void* values, const uint8_t* meta,
+                               int64_t M, int64_t K, int64_t N, void* y,
+                               const unsigned long long* fingerprint, unsigned long long expected,
+                               cudaStream_t stream);
+
 // Order-independent 64-bit fingerprint of `bytes` bytes at `data` *added* to *out (so several
 // buffers can share one sum; zero *out first). Every byte counts, with its position.
 cudaError_t fingerprint_add(const void* data, int64_t bytes, uint64_t salt,

@@ -3,8 +3,10 @@
 // the CUDA kernels and cuSPARSELt calls in the framework-free core (cc/sparse24/gpu_*).
 //
 // Sparse24MatMul, float16/bfloat16: the sparse24/v1 weight is turned into cuSPARSELt's compressed
-// operand once and cached in the kernel (keyed on the values/meta buffers, shapes, device and a
-// content fingerprint checked on every call), then cusparseLtMatmul runs on TensorFlow's stream.
+// operand once and cached in the kernel (keyed on the values/meta buffers, shapes and device),
+// then cusparseLtMatmul runs on TensorFlow's stream. Every call also fingerprints values+meta on
+// the device; if that differs from the cached one (weight changed in place), a repair kernel
+// recomputes y on the device and a later call recompresses: exact, with no per-call host sync.
 // float32 and shapes cuSPARSELt does not take run a plain CUDA kernel instead (logged once).
 #if GOOGLE_CUDA
 
@@ -76,8 +78,8 @@ absl::Status AllocateSlots(OpKernelContext* ctx, int count, Tensor* slots) {
 
 void* RawData(const Tensor& t) { return const_cast<char*>(t.tensor_data().data()); }
 
-unsigned long long* SlotData(Tensor& slots) {
-  return reinterpret_cast<unsigned long long*>(slots.flat<uint64>().data());
+unsigned long long* SlotData(const Tensor& slots) {
+  return static_cast<unsigned long long*>(RawData(slots));
 }
 
 // (values [N, K/2], meta [N, ceil(K/8)]) for K.
@@ -237,14 +239,32 @@ class Sparse24MatMulGpuOp : public OpKernel {
   }
 
  private:
+  // One weight's cuSPARSELt operand, and what is needed to verify it on later calls without a
+  // host round trip: each call fingerprints values+meta into `check` on the device; a kernel
+  // after the matmul recomputes y if that differs from `fingerprint` (the weight changed in
+  // place), and the value is copied to pinned `seen` so a later call drops the stale entry.
   struct CachedWeight {
-    int device;
-    const void* values;
-    const void* meta;
-    int64_t k, n;
-    uint64_t fingerprint;
+    CachedWeight() = default;
+    CachedWeight(const CachedWeight&) = delete;
+    CachedWeight& operator=(const CachedWeight&) = delete;
+    ~CachedWeight() {
+      if (seen_ready) {
+        cudaEventSynchronize(seen_ready);  // a copy into `seen` may still be in flight
+        cudaEventDestroy(seen_ready);
+      }
+      if (seen) cudaFreeHost(seen);
+    }
+    int device = -1;
+    const void* values = nullptr;
+    const void* meta = nullptr;
+    int64_t k = 0, n = 0;
+    uint64_t fingerprint = 0;
     Tensor compressed;  // keeps cuSPARSELt's operand alive in TensorFlow's allocator
     std::unique_ptr<gpu::LtSparseOperand> operand;
+    Tensor check;                         // DT_UINT64 [1] on the device
+    unsigned long long* seen = nullptr;   // pinned host copy of the last `check`
+    cudaEvent_t seen_ready = nullptr;     // recorded after that copy
+    bool seen_pending = false;
   };
   using PlanKey = std::tuple<int, int64_t, int64_t, int64_t>;  // device, M padded, K, N
 
@@ -280,10 +300,12 @@ class Sparse24MatMulGpuOp : public OpKernel {
     return absl::OkStatus();
   }
 
-  // The cached operand for this weight, (re)compressed if new or changed. Holds mu_.
+  // The cached operand for this weight, (re)compressed if new or known to have changed. On a hit
+  // (unless trusted) the fingerprint of this call's values+meta is launched into (*out)->check
+  // and *verify is set: the caller must then run the repair kernel after the matmul. Holds mu_.
   absl::Status Operand(OpKernelContext* ctx, gpu::LtContext* lt, int device, const Tensor& values,
                        const Tensor& meta, int64_t k, int64_t n, cudaStream_t stream,
-                       CachedWeight** out) {
+                       CachedWeight** out, bool* verify) {
     const void* vp = values.tensor_data().data();
     const void* mp = meta.tensor_data().data();
     auto it = weights_.begin();
@@ -293,37 +315,76 @@ class Sparse24MatMulGpuOp : public OpKernel {
       }
     }
     const bool trust = TrustWeightAddress();
-    uint64_t fingerprint = 0;
-    if (!trust || it == weights_.end()) {
-      TF_RETURN_IF_ERROR(Fingerprint(ctx, values, meta, stream, &fingerprint));
+    *verify = false;
+    if (it != weights_.end() && !trust && it->seen_pending) {
+      const cudaError_t state = cudaEventQuery(it->seen_ready);
+      if (state != cudaErrorNotReady) {
+        TF_RETURN_IF_ERROR(CudaStatus(state, "checking a cached weight"));
+        it->seen_pending = false;
+        if (*it->seen != it->fingerprint) {  // changed in place since it was compressed
+          weights_.erase(it);
+          it = weights_.end();
+        }
+      }
     }
-    if (it != weights_.end() && (trust || it->fingerprint == fingerprint)) {
+    if (it != weights_.end()) {
       weights_.splice(weights_.begin(), weights_, it);  // most recently used first
-      *out = &weights_.front();
+      CachedWeight& hit = weights_.front();
+      *out = &hit;
+      if (trust) return absl::OkStatus();
+      unsigned long long* check = SlotData(hit.check);
+      TF_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(check, 0, sizeof(*check), stream), "fingerprint"));
+      TF_RETURN_IF_ERROR(CudaStatus(gpu::fingerprint_add(vp, values.TotalBytes(), 1, check, stream),
+                                    "fingerprint"));
+      TF_RETURN_IF_ERROR(CudaStatus(gpu::fingerprint_add(mp, meta.TotalBytes(), 2, check, stream),
+                                    "fingerprint"));
+      *verify = true;
       return absl::OkStatus();
     }
-    if (it != weights_.end()) weights_.erase(it);  // same buffers, new content
+    // New weight (or changed): fingerprint it synchronously, validate meta, compress.
+    uint64_t fingerprint = 0;
+    TF_RETURN_IF_ERROR(Fingerprint(ctx, values, meta, stream, &fingerprint));
     TF_RETURN_IF_ERROR(CheckMeta(ctx, "Sparse24MatMul", static_cast<const uint8_t*>(mp), k, n,
                                  stream));
-    CachedWeight entry{device, vp, mp, k, n, fingerprint, Tensor(), nullptr};
-    entry.operand = std::make_unique<gpu::LtSparseOperand>();
-    std::string error = entry.operand->init(lt, ToDType<T>(), k, n);
+    auto operand = std::make_unique<gpu::LtSparseOperand>();
+    std::string error = operand->init(lt, ToDType<T>(), k, n);
     if (!error.empty()) return absl::UnimplementedError(error);
-    Tensor wt, scratch;
+    Tensor wt, scratch, compressed, check;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({n, k}), &wt));
     TF_RETURN_IF_ERROR(ctx->allocate_temp(
-        DT_INT8, TensorShape({static_cast<int64_t>(entry.operand->scratch_bytes()) + 1}), &scratch));
+        DT_INT8, TensorShape({static_cast<int64_t>(operand->scratch_bytes()) + 1}), &scratch));
     TF_RETURN_IF_ERROR(ctx->allocate_temp(
-        DT_INT8, TensorShape({static_cast<int64_t>(entry.operand->compressed_bytes())}),
-        &entry.compressed));
+        DT_INT8, TensorShape({static_cast<int64_t>(operand->compressed_bytes())}), &compressed));
+    TF_RETURN_IF_ERROR(AllocateSlots(ctx, 1, &check));
     TF_RETURN_IF_ERROR(CudaStatus(
         gpu::decompress(ToDType<T>(), vp, static_cast<const uint8_t*>(mp), k, n,
                         /*transposed=*/true, wt.flat<T>().data(), stream),
         "expanding the weight for cuSPARSELt"));
-    error = entry.operand->compress(wt.flat<T>().data(), RawData(entry.compressed),
-                                    RawData(scratch), stream);
+    error = operand->compress(wt.flat<T>().data(), RawData(compressed), RawData(scratch), stream);
     if (!error.empty()) return absl::InternalError(absl::StrCat("Sparse24MatMul: ", error));
-    weights_.push_front(std::move(entry));
+    weights_.emplace_front();
+    CachedWeight& entry = weights_.front();
+    entry.device = device;
+    entry.values = vp;
+    entry.meta = mp;
+    entry.k = k;
+    entry.n = n;
+    entry.fingerprint = fingerprint;
+    entry.compressed = std::move(compressed);
+    entry.operand = std::move(operand);
+    entry.check = std::move(check);
+    absl::Status status = CudaStatus(
+        cudaHostAlloc(reinterpret_cast<void**>(&entry.seen), sizeof(*entry.seen),
+                      cudaHostAllocDefault),
+        "allocating a pinned fingerprint slot");
+    if (status.ok()) {
+      status = CudaStatus(cudaEventCreateWithFlags(&entry.seen_ready, cudaEventDisableTiming),
+                          "creating a fingerprint event");
+    }
+    if (!status.ok()) {
+      weights_.pop_front();
+      return status;
+    }
     if (weights_.size() > kMaxCachedWeights) weights_.pop_back();
     *out = &weights_.front();
     return absl::OkStatus();
@@ -355,7 +416,8 @@ class Sparse24MatMulGpuOp : public OpKernel {
       plan_it = plans_.emplace(key, std::move(plan)).first;
     }
     CachedWeight* weight = nullptr;
-    TF_RETURN_IF_ERROR(Operand(ctx, lt, device, values, meta, k, n, stream, &weight));
+    bool verify = false;
+    TF_RETURN_IF_ERROR(Operand(ctx, lt, device, values, meta, k, n, stream, &weight, &verify));
 
     const T* x_data = x.flat<T>().data();
     T* y_data = y->flat<T>().data();
@@ -384,6 +446,20 @@ class Sparse24MatMulGpuOp : public OpKernel {
                                                     m * n * sizeof(T), cudaMemcpyDeviceToDevice,
                                                     stream),
                                     "unpadding y"));
+    }
+    if (verify) {  // the weight changed in place since it was compressed: recompute y here
+      unsigned long long* check = SlotData(weight->check);
+      TF_RETURN_IF_ERROR(CudaStatus(
+          gpu::spmm_simple_unless(ToDType<T>(), x.flat<T>().data(), values.flat<T>().data(),
+                                  meta.flat<uint8_t>().data(), m, k, n, y->flat<T>().data(), check,
+                                  weight->fingerprint, stream),
+          "Sparse24MatMul repair kernel"));
+      TF_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(weight->seen, check, sizeof(*weight->seen),
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "reading the fingerprint"));
+      TF_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(weight->seen_ready, stream),
+                                    "recording the fingerprint event"));
+      weight->seen_pending = true;
     }
     return absl::OkStatus();
   }
