@@ -71,6 +71,19 @@ def check_2to4(w: np.ndarray) -> None:
         )
 
 
+def _kept_positions_table() -> np.ndarray:
+    """[16, 2] kept positions for each non-zero mask of a group (bit p set: element p non-zero)."""
+    table = np.zeros((2**M, N_KEPT), np.int64)
+    for mask in range(2**M):
+        nonzero = [p for p in range(M) if mask >> p & 1]
+        unused = [p for p in range(M) if not mask >> p & 1]
+        table[mask] = sorted((nonzero + unused)[:N_KEPT])  # masks with > 2 bits never get here
+    return table
+
+
+_KEPT_POSITIONS = _kept_positions_table()
+
+
 def kept_positions(w: np.ndarray) -> np.ndarray:
     """In-group positions [N, K/4, 2] (ascending) that compression keeps for a 2:4 [K, N] matrix.
 
@@ -78,10 +91,8 @@ def kept_positions(w: np.ndarray) -> np.ndarray:
     than two.
     """
     k, n = w.shape
-    groups = np.ascontiguousarray(w.T).reshape(n, k // M, M)
-    # Non-zeros sort first, each class in ascending position; the first two are the kept ones.
-    key = (groups == 0).astype(np.int8) * M + np.arange(M, dtype=np.int8)
-    return np.sort(np.argsort(key, axis=-1, kind="stable")[..., :N_KEPT], axis=-1)
+    nonzero = (w != 0).T.reshape(n, k // M, M)
+    return _KEPT_POSITIONS[nonzero @ (1 << np.arange(M))]
 
 
 def compress(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

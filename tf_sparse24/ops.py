@@ -95,12 +95,18 @@ def load_library() -> ModuleType:
 # CPU kernel variant (for tests and benchmarks)
 
 
+def _c_function(name: str, restype, argtypes=()):
+    """A plain C entry point of the op library (the extern "C" block of sparse24_kernels.cc)."""
+    load_library()
+    fn = getattr(ctypes.CDLL(library_path()), name)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
 def supported_cpu_isas() -> list[str]:
     """The CPU kernel variants this machine can run, e.g. ["scalar", "avx2"]."""
-    load_library()
-    fn = ctypes.CDLL(library_path()).tf_sparse24_cpu_isa_supported
-    fn.argtypes = [ctypes.c_char_p]
-    return [name for name in CPU_ISAS[1:] if fn(name.encode()) == 1]
+    supported = _c_function("tf_sparse24_cpu_isa_supported", ctypes.c_int, [ctypes.c_char_p])
+    return [name for name in CPU_ISAS[1:] if supported(name.encode()) == 1]
 
 
 def cpu_isa() -> str:
@@ -108,10 +114,7 @@ def cpu_isa() -> str:
     forced = os.environ.get(ISA_ENV_VAR, "") or "auto"
     if forced != "auto":
         return forced
-    load_library()
-    fn = ctypes.CDLL(library_path()).tf_sparse24_best_cpu_isa
-    fn.restype = ctypes.c_char_p
-    return fn().decode()
+    return _c_function("tf_sparse24_best_cpu_isa", ctypes.c_char_p)().decode()
 
 
 def set_cpu_isa(name: str) -> None:
@@ -157,7 +160,8 @@ def kept_rows(meta: tf.Tensor, k: int) -> tf.Tensor:
     meta = tf.cast(meta, tf.int32)
     low, high = meta % 16, meta // 16
     nibbles = tf.reshape(tf.stack([low, high], axis=-1), [tf.shape(meta)[0], -1])[:, : k // 4]
-    positions = tf.reshape(tf.stack([nibbles % 4, nibbles // 4], axis=-1), [-1, k // 2])
+    positions = tf.stack([nibbles % 4, nibbles // 4], axis=-1)
+    positions = tf.reshape(positions, [tf.shape(meta)[0], k // 2])
     return positions + 4 * (tf.range(k // 2, dtype=tf.int32) // 2)
 
 
