@@ -99,8 +99,10 @@ def main(argv=None) -> dict:
     print(f"fine-tuned - dense: {results['finetuned'] - results['dense']:+.2f} points\n")
     results["report"] = tf_sparse24.report(pruned)
 
-    if args.export_dir:  # Export step: wired up by the export module's owner.
-        raise SystemExit("--export-dir: export is not wired into this example yet")
+    if args.export_dir:  # a TF Serving version directory, e.g. models/mnist_2to4/1
+        tf_sparse24.export(pruned, args.export_dir, overwrite=True)
+        print(tf_sparse24.describe_export(args.export_dir))
+        results["export"] = tf_sparse24.verify_export(args.export_dir, against=pruned)
     results["model"] = pruned
     return results
 

@@ -335,9 +335,10 @@ def _input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
 
 def _identifier(name: str | None, default: str) -> str:
     """A stable signature key: [A-Za-z0-9_] (TF Serving, saved_model_cli); Keras' automatic
-    `keras_tensor_<n>` names depend on creation order, so they fall back to `default`."""
+    `keras_tensor_<n>` / `input_layer_<n>` names depend on creation order, so they fall back to
+    `default`. Name your `keras.Input`s to choose the keys."""
     name = re.sub(r"[^A-Za-z0-9_]", "_", name or "")
-    if not name or name[0].isdigit() or re.fullmatch(r"keras_tensor(_\d+)?", name):
+    if not name or name[0].isdigit() or re.fullmatch(r"(keras_tensor|input_layer)(_\d+)?", name):
         return default
     return name
 
