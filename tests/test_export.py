@@ -293,6 +293,50 @@ def test_stripped_model_exports_the_same_tensors(mixed, tmp_path):
     np.testing.assert_allclose(out["logits"].numpy(), mixed["y"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, mode", [("bfloat16", "accelerated"), ("float16", "portable")])
+def test_half_precision_models(tmp_path, dtype, mode):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((16,), name="features", dtype=dtype),
+        keras.layers.Dense(8, activation="relu", dtype=dtype, name="hidden"),
+        keras.layers.Dense(4, dtype=dtype, name="scores"),
+    ])  # fmt: skip
+    prune_plain_layers(model)
+    metadata = export(model, tmp_path / "1", mode=mode)
+    assert {e["dtype"] for e in metadata["sparse"]} == {dtype}
+    assert metadata["signature"]["inputs"]["features"]["dtype"] == dtype
+    x = tf.cast(np.random.default_rng(0).standard_normal((3, 16)), dtype)
+    got = load(tmp_path / "1").signatures["serving_default"](features=x)["scores"]
+    want = model(x)
+    np.testing.assert_allclose(tf.cast(got, tf.float32), tf.cast(want, tf.float32), atol=2e-2)
+
+
+class TwoLayerNet(keras.Model):
+    def __init__(self):
+        super().__init__(name="two_layer_net")
+        self.hidden = keras.layers.Dense(16, activation="relu", name="hidden")
+        self.out = keras.layers.Dense(3, name="out")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_subclassed_model_needs_and_uses_an_input_signature(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = TwoLayerNet()
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    model(x)
+    prune_plain_layers(model)
+    with pytest.raises(ValueError, match="pass input_signature"):
+        export(model, tmp_path / "1")
+    spec = [tf.TensorSpec([None, 8], tf.float32, name="features")]
+    metadata = export(model, tmp_path / "1", mode="accelerated", input_signature=spec)
+    # Subclassed models cannot be re-wired: every kernel is rebuilt at load instead.
+    assert [e["kernel"] for e in metadata["sparse"]] == ["dense_at_load"] * 2
+    out = load(tmp_path / "1").signatures["serving_default"](features=tf.constant(x))
+    np.testing.assert_allclose(out["output_0"].numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
 # --- size -----------------------------------------------------------------------------------
 
 
