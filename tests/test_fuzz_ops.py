@@ -24,7 +24,7 @@ PROPERTIES = [
 @pytest.mark.slow
 def test_op_fuzz_in_subprocess(tmp_path):
     result = procs.run("op_fuzz_worker.py", *PROPERTIES, tmp=tmp_path, timeout=400,
-                       env=procs.worker_env(HYPOTHESIS_EXAMPLES="40", TF_CPP_MIN_LOG_LEVEL="3"))
+                       env=procs.worker_env(HYPOTHESIS_EXAMPLES="30", TF_CPP_MIN_LOG_LEVEL="3"))
     result.check()
     for name in PROPERTIES:
         assert f"[op-fuzz] {name}: ok" in result.output, f"{name} did not report ok:\n{result.tail()}"

@@ -30,7 +30,7 @@ def kernels(model) -> dict[str, np.ndarray]:
     return {f"{layer.name}/kernel": layer.kernel.numpy() for layer in model.layers}
 
 
-def fine_tune(policy: str, jit_compile: bool, epochs: int = 2):
+def fine_tune(policy: str, jit_compile: bool, epochs: int = 1):
     """Prunes the tiny model under `policy` and fine-tunes it; returns (model, initial kernels)."""
     with global_policy(policy):
         dense = scenario.dense_model(seed=0)

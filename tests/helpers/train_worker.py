@@ -29,7 +29,7 @@ from helpers import scenario  # noqa: E402
 import tf_sparse24
 
 BATCH = 16
-SAMPLES = 128
+SAMPLES = 64
 
 
 class Recorder(keras.callbacks.Callback):
