@@ -198,6 +198,7 @@ def test_permute_sequential_and_errors():
     permuted, reports = permute(model, kicks=1, progress=False)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(permuted(x, training=False)), keras.ops.convert_to_numpy(model(x, training=False)), rtol=1e-5, atol=1e-5)
     assert [r.permuted for r in reports] == [False, True, True]
+    assert "model input" in reports[0].reason
 
     class Sub(keras.Model):
         def __init__(self):

