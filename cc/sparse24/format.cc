@@ -43,38 +43,58 @@ constexpr U abs_mask() {
   return static_cast<U>(~(U(1) << (8 * sizeof(U) - 1)));
 }
 
+// Non-zero mask of the group whose first element is at `col` (bit p: element 4g+p is non-zero).
+template <typename U>
+unsigned group_mask(const U* col, int64_t n) {
+  constexpr U kAbs = abs_mask<U>();
+  return ((col[0] & kAbs) != 0 ? 1u : 0u) | ((col[n] & kAbs) != 0 ? 2u : 0u) |
+         ((col[2 * n] & kAbs) != 0 ? 4u : 0u) | ((col[3 * n] & kAbs) != 0 ? 8u : 0u);
+}
+
+// Message naming the first group with > 2 non-zeros in W's memory order (group g, then column n).
+template <typename U>
+std::string first_bad_group(const U* dense, int64_t k, int64_t n) {
+  for (int64_t g = 0; g < k / 4; ++g) {
+    for (int64_t c = 0; c < n; ++c) {
+      const unsigned mask = group_mask(dense + 4 * g * n + c, n);
+      if (kNibbleForMask[mask] != 0xFF) continue;
+      std::ostringstream msg;
+      msg << "not 2:4 sparse: group g=" << g << " (rows k=" << 4 * g << ".." << 4 * g + 3
+          << ") of column n=" << c << " has " << __builtin_popcount(mask)
+          << " non-zeros at rows k=[";
+      const char* sep = "";
+      for (int i = 0; i < 4; ++i) {
+        if ((mask >> i) & 1) {
+          msg << sep << 4 * g + i;
+          sep = ", ";
+        }
+      }
+      msg << "]; at most 2 of every 4 consecutive elements along K may be non-zero";
+      return msg.str();
+    }
+  }
+  return std::string();
+}
+
+// Both directions walk W four rows (one group) at a time, all columns, so W is read or written
+// sequentially; values and meta go column by column (strided, but each line is reused by the next
+// groups while it stays in L2). Tiling over groups was slower: W's rows sit 4*N bytes apart and a
+// tile of them collides in the same cache sets.
 template <typename U>
 std::string compress_impl(const U* dense, int64_t k, int64_t n, U* values, uint8_t* meta) {
   const int64_t groups = k / 4, half_k = k / 2, mcols = meta_cols(k);
   if (n * mcols == 0) return std::string();  // nothing to write (and memset(nullptr) is UB)
   std::memset(meta, 0, static_cast<size_t>(n * mcols));
   for (int64_t g = 0; g < groups; ++g) {
-    const U* rows = dense + 4 * g * n;
     for (int64_t c = 0; c < n; ++c) {
-      const U e[4] = {rows[c], rows[n + c], rows[2 * n + c], rows[3 * n + c]};
-      constexpr U kAbs = abs_mask<U>();
-      const unsigned mask = ((e[0] & kAbs) != 0 ? 1u : 0u) | ((e[1] & kAbs) != 0 ? 2u : 0u) |
-                            ((e[2] & kAbs) != 0 ? 4u : 0u) | ((e[3] & kAbs) != 0 ? 8u : 0u);
+      const U* col = dense + 4 * g * n + c;
+      const unsigned mask = group_mask(col, n);
       const uint8_t nibble = kNibbleForMask[mask];
-      if (nibble == 0xFF) {
-        std::ostringstream msg;
-        msg << "not 2:4 sparse: group g=" << g << " (rows k=" << 4 * g << ".." << 4 * g + 3
-            << ") of column n=" << c << " has " << __builtin_popcount(mask)
-            << " non-zeros at rows k=[";
-        const char* sep = "";
-        for (int i = 0; i < 4; ++i) {
-          if ((mask >> i) & 1) {
-            msg << sep << 4 * g + i;
-            sep = ", ";
-          }
-        }
-        msg << "]; at most 2 of every 4 consecutive elements along K may be non-zero";
-        return msg.str();
-      }
+      if (nibble == 0xFF) return first_bad_group(dense, k, n);
       const int p0 = nibble & 3, p1 = nibble >> 2;
       U* out = values + c * half_k + 2 * g;
-      out[0] = ((mask >> p0) & 1) ? e[p0] : U(0);  // a padded position is +0.0
-      out[1] = ((mask >> p1) & 1) ? e[p1] : U(0);
+      out[0] = ((mask >> p0) & 1) ? col[p0 * n] : U(0);  // a padded position is +0.0
+      out[1] = ((mask >> p1) & 1) ? col[p1 * n] : U(0);
       meta[c * mcols + g / 2] |= static_cast<uint8_t>(nibble << (4 * (g & 1)));
     }
   }
@@ -86,13 +106,12 @@ void decompress_impl(const U* values, const uint8_t* meta, int64_t k, int64_t n,
   const int64_t groups = k / 4, half_k = k / 2, mcols = meta_cols(k);
   if (k * n == 0) return;
   std::memset(dense, 0, static_cast<size_t>(k * n) * sizeof(U));
-  for (int64_t c = 0; c < n; ++c) {
-    const U* in = values + c * half_k;
-    const uint8_t* m = meta + c * mcols;
-    for (int64_t g = 0; g < groups; ++g) {
-      const unsigned nibble = (m[g / 2] >> (4 * (g & 1))) & 0xFu;
-      dense[(4 * g + (nibble & 3)) * n + c] = in[2 * g];
-      dense[(4 * g + (nibble >> 2)) * n + c] = in[2 * g + 1];
+  for (int64_t g = 0; g < groups; ++g) {
+    U* rows = dense + 4 * g * n;
+    for (int64_t c = 0; c < n; ++c) {
+      const unsigned nibble = (meta[c * mcols + g / 2] >> (4 * (g & 1))) & 0xFu;
+      rows[(nibble & 3) * n + c] = values[c * half_k + 2 * g];
+      rows[(nibble >> 2) * n + c] = values[c * half_k + 2 * g + 1];
     }
   }
 }
