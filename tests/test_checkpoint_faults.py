@@ -95,3 +95,50 @@ def test_sigkill_mid_epoch_then_resume_keeps_masks_and_epochs(tmp_path):
         assert scenario.is_nm(entry["effective"], int(entry["axis"])), key
     ref_loss = [p["loss"] for p in progress(tmp_path / "reference")]
     np.testing.assert_allclose([p["loss"] for p in progress(run)], ref_loss, rtol=1e-5)
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Raises at (epoch, batch), like a crash that the same process survives (Keras' own recipe)."""
+
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("schedule", [{"start_step": 6}, {"update_every": 5}],
+                         ids=["dense-warmup", "periodic-recompute"])
+def test_resume_keeps_the_mask_schedule(tmp_path, schedule):
+    """Masks computed on schedule before an interruption survive it; the schedule continues by step.
+
+    Interrupted-then-resumed must end exactly like an uninterrupted run, with the resumed model
+    built from other weights (so anything recomputed off schedule would show).
+    """
+    x, y = scenario.data(train_worker.SAMPLES)
+    steps = train_worker.SAMPLES // train_worker.BATCH
+
+    def fit(model, *callbacks):
+        model.fit(x, y, batch_size=train_worker.BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                  callbacks=[*callbacks, tf_sparse24.Sparse24Callback(**schedule)])
+
+    reference = train_worker.build(init_seed=0)
+    fit(reference)
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    first = train_worker.build(init_seed=0)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(first, backup, Interrupt(2, 1))
+    assert int(first.optimizer.iterations.numpy()) == 2 * steps + 2
+    resumed = train_worker.build(init_seed=1)
+    fit(resumed, keras.callbacks.BackupAndRestore(str(tmp_path / "backup")))
+    assert_same_state(scenario.pruned_state(resumed), scenario.pruned_state(reference),
+                      f"resumed vs uninterrupted with {schedule}", exact=False)
+    for key, entry in scenario.pruned_state(resumed).items():
+        assert 0 < entry["mask"].mean() < 1, f"{key}: masks were never computed"
+        assert scenario.is_nm(entry["effective"], int(entry["axis"])), key
