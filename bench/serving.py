@@ -68,7 +68,8 @@ def main() -> None:
     sizes = {name: dir_bytes(os.path.join(d, "variables")) for name, d in dirs.items()}
     weights = sum(v.numpy().nbytes for v in model.variables if "mask" not in v.path)
     print(f"model: {args.features}-{args.width}-{args.width}-{args.features}-16 MLP, 2:4 pruned, "
-          f"float32; TF {tf.__version__}, {os.cpu_count()} CPUs, op ISA {tf_sparse24.ops.cpu_isa()}")
+          f"float32; TF {tf.__version__}, {os.cpu_count()} CPUs, "
+          f"op ISA {tf_sparse24.ops.cpu_isa()}")
     print(f"\n{'export':12s} {'variables/ bytes':>17s} {'vs dense weights':>17s}")
     print(f"{'(weights)':12s} {weights:17d} {1:16.3f}x   dense float32 bytes, each variable once")
     for name, size in sizes.items():
@@ -80,7 +81,8 @@ def main() -> None:
           f"(max |diff| vs dense)")
     for batch in args.batches:
         x = tf.constant(rng.standard_normal((batch, args.features)).astype(np.float32))
-        outs = {name: next(iter(fn(**{input_name: x}).values())).numpy() for name, fn in fns.items()}
+        outs = {name: next(iter(fn(**{input_name: x}).values())).numpy()
+                for name, fn in fns.items()}
         times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(3):  # warm-up
             for fn in fns.values():

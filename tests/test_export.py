@@ -59,7 +59,7 @@ def prune_plain_layers(model: keras.Model) -> None:
 
 
 def mixed_model() -> keras.Model:
-    """Conv2D -> MultiHeadAttention -> LSTM -> Dense -> Dense: 3 layers wrapped, 2 plain, all 2:4."""
+    """Conv2D -> MultiHeadAttention -> LSTM -> Dense -> Dense; 3 wrapped, 2 plain, all 2:4."""
     keras.utils.set_random_seed(0)
     wrap = Sparse24
     pixels = keras.Input((8, 8, 4), name="pixels")
@@ -166,7 +166,8 @@ def test_export_layout_and_metadata(mixed):
     assert metadata["format"] == "sparse24/v1" and metadata["mode"] == "portable"
     assert metadata["tensorflow_version"] == tf.__version__
     assert metadata["package_version"] == tf_sparse24.__version__
-    assert metadata["signature"]["inputs"] == {"pixels": {"shape": [None, 8, 8, 4], "dtype": "float32"}}
+    pixels = {"shape": [None, 8, 8, 4], "dtype": "float32"}
+    assert metadata["signature"]["inputs"] == {"pixels": pixels}
     assert metadata["signature"]["outputs"] == {"logits": {"shape": [None, 4], "dtype": "float32"}}
     assert sorted(e["name"] for e in metadata["sparse"]) == sorted(SPARSE_NAMES)
     kernels = kernel_by_path(mixed["model"])
@@ -251,7 +252,8 @@ def test_fresh_processes_serve_the_exports(mixed):
     np.save(os.path.join(root, "x.npy"), mixed["x"])
     cli = [os.path.join(BIN, "saved_model_cli"), "run", "--dir", mixed["portable"],
            "--tag_set", "serve", "--signature_def", "serving_default",
-           "--inputs", f"pixels={os.path.join(root, 'x.npy')}", "--outdir", os.path.join(root, "cli")]
+           "--inputs", f"pixels={os.path.join(root, 'x.npy')}",
+           "--outdir", os.path.join(root, "cli")]
     python = [sys.executable, "-c", FRESH_SCRIPT, mixed["portable"], mixed["data"],
               mixed["accelerated"]]
     procs = {name: subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -270,7 +272,8 @@ def test_fresh_processes_serve_the_exports(mixed):
     assert "Op type not registered 'Sparse24" in result["accelerated_without_import"]
     assert result["accelerated_diff"] < 1e-5
     assert nonstock_ops(graph_ops(mixed["accelerated"])) == {"Sparse24MatMul", "Sparse24Decompress"}
-    kernels = {e["name"]: e["kernel"] for e in load(mixed["accelerated"]).sparse24_metadata["sparse"]}
+    entries = load(mixed["accelerated"]).sparse24_metadata["sparse"]
+    kernels = {e["name"]: e["kernel"] for e in entries}
     assert [n for n, k in kernels.items() if k == "sparse24_matmul"] == ["hidden/kernel",
                                                                          "logits/kernel"]
 
@@ -383,6 +386,12 @@ def test_bad_arguments(mixed, tmp_path):
         export(keras.layers.Dense(3), tmp_path / "1")
     with pytest.raises(ExportError, match="not a tf_sparse24 export"):
         load(tmp_path)
+    # A wrapper whose masks were never computed holds a dense weight: named, nothing written.
+    unmasked = keras.Sequential([keras.Input((8,)), Sparse24(keras.layers.Dense(4, name="fc"))])
+    message = r"weight '.*fc/kernel' \(shape \[8, 4\], axis 0\): not 2:4"
+    with pytest.raises(ValueError, match=message):
+        export(unmasked, tmp_path / "m" / "1")
+    assert not (tmp_path / "m").exists()
 
 
 def tiny_model() -> keras.Model:

@@ -1,6 +1,7 @@
 """Command line: export a `.keras` model, inspect or verify an export.
 
-    python -m tf_sparse24 export MODEL.keras models/name/1 [--mode portable|accelerated] [--overwrite]
+    python -m tf_sparse24 export MODEL.keras models/name/1 [--mode portable|accelerated]
+                                 [--overwrite]
     python -m tf_sparse24 inspect models/name/1
     python -m tf_sparse24 verify models/name/1 [--against MODEL.keras]
 

@@ -158,8 +158,8 @@ def load(export_dir: str | os.PathLike) -> Any:
         loaded = tf.saved_model.load(export_dir)
     except Exception as e:  # noqa: BLE001  (TF raises OpError, IndexError, ... on a bad file)
         raise ExportError(
-            f"cannot load the SavedModel in {export_dir}: {_unreadable_tensor(export_dir, metadata)}"
-            f"{type(e).__name__}: {e}"
+            f"cannot load the SavedModel in {export_dir}: "
+            f"{_unreadable_tensor(export_dir, metadata)}{type(e).__name__}: {e}"
         ) from e
     embedded = loaded.metadata().numpy().decode("utf-8")
     if md.loads(embedded, "embedded metadata") != metadata:
@@ -425,7 +425,8 @@ def _runs_sparse(item: _Sparse) -> bool:
 
 
 def _accelerated_model(model: keras.Model, stored: dict[int, tuple], ops) -> keras.Model:
-    """A Functional view of `model` (same layers, no copies) whose listed Dense layers run sparse."""
+    """A Functional view of `model` (same layers, no copies) whose listed Dense layers run
+    sparse."""
     from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
 
     def call_function(layer, *args, **kwargs):
@@ -461,7 +462,9 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
         }
         if _is_functional(model):
             serving_model = _accelerated_model(model, stored, ops)
-            kernel.update({id(s.variable): "sparse24_matmul" for s in sparse if id(s.layer) in stored})
+            kernel.update(
+                {id(s.variable): "sparse24_matmul" for s in sparse if id(s.layer) in stored}
+            )
     decompress = ops.sparse24_decompress if mode == "accelerated" else portable.decompress
     caches = {
         i: _DenseKernel(module.sparse_values[i], module.sparse_meta[i], s.k,

@@ -26,7 +26,7 @@ KERNELS = ("sparse24_matmul", "dense_at_load")
 
 
 class ExportError(ValueError):
-    """An export directory is missing, corrupted, edited, or of a version this package cannot read."""
+    """An export is missing, corrupted, edited, or of a version this package cannot read."""
 
 
 def path_in(export_dir: str | os.PathLike) -> str:
@@ -83,7 +83,9 @@ def loads(text: str, source: str) -> dict[str, Any]:
             f"tf_sparse24 reads {FORMAT!r}"
         )
     if metadata.get("mode") not in MODES:
-        raise ExportError(f"{source}: mode must be one of {MODES}. Received: {metadata.get('mode')!r}")
+        raise ExportError(
+            f"{source}: mode must be one of {MODES}. Received: {metadata.get('mode')!r}"
+        )
     for key in ("sparse", "dense", "signature"):
         if key not in metadata:
             raise ExportError(f"{source}: missing field {key!r}")

@@ -50,7 +50,8 @@ def decompress(values: tf.Tensor, meta: tf.Tensor, k: int) -> tf.Tensor:
     groups = k // M
     bits = tf.cast(meta, tf.int32)
     nibbles = tf.stack([tf.bitwise.bitwise_and(bits, 15), tf.bitwise.right_shift(bits, 4)], -1)
-    nibbles = tf.reshape(nibbles, [n, 2 * expected_meta[1]])[:, :groups]  # [N, G]: drops the pad nibble if K%8==4
+    # [N, G]; drops the unused high nibble of the last byte when K % 8 == 4.
+    nibbles = tf.reshape(nibbles, [n, 2 * expected_meta[1]])[:, :groups]
     first = tf.bitwise.bitwise_and(nibbles, 3)[..., None]  # [N, G, 1]
     second = tf.bitwise.right_shift(nibbles, 2)[..., None]
     slots = tf.range(M, dtype=tf.int32)  # [4]

@@ -91,9 +91,8 @@ def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
         shape = [2 if i == 0 else 8 for i in range(len(spec["shape"]))]
         shape = [d if d is not None else shape[i] for i, d in enumerate(spec["shape"])]
         dtype = np.dtype(spec["dtype"]) if spec["dtype"] != "bfloat16" else np.float32
-        inputs[name] = (rng.standard_normal(shape) if dtype.kind == "f" else np.zeros(shape)).astype(
-            dtype
-        )
+        values = rng.standard_normal(shape) if dtype.kind == "f" else np.zeros(shape)
+        inputs[name] = values.astype(dtype)
     served = loaded.signatures[SIGNATURE](**inputs)
     flat_inputs = list(inputs.values())
     expected = model(pack_inputs(model, flat_inputs), training=False)
@@ -106,7 +105,9 @@ def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
         want = np.asarray(keras.ops.convert_to_numpy(want), np.float64)
         got = np.asarray(served[name].numpy(), np.float64)
         if got.shape != want.shape:
-            raise ExportError(f"output {name!r}: served shape {got.shape}, model gives {want.shape}")
+            raise ExportError(
+                f"output {name!r}: served shape {got.shape}, model gives {want.shape}"
+            )
         tol = (1e-4 if served[name].dtype.size >= 4 else 2e-2) * max(1.0, float(np.abs(want).max()))
         diffs[name] = float(np.abs(got - want).max()) if want.size else 0.0
         if not diffs[name] <= tol:
@@ -147,9 +148,9 @@ def describe(export_dir: str | os.PathLike) -> str:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
     other = sum(r["bytes"] for r in metadata["dense"])
     lines.append(
-        f"{len(metadata['sparse'])} compressed weights: {stored_total} B stored for {dense_total} B "
-        f"dense ({stored_total / max(dense_total, 1):.3f}x); {len(metadata['dense'])} other "
-        f"tensors: {other} B"
+        f"{len(metadata['sparse'])} compressed weights: {stored_total} B stored for "
+        f"{dense_total} B dense ({stored_total / max(dense_total, 1):.3f}x); "
+        f"{len(metadata['dense'])} other tensors: {other} B"
     )
     for name, size in _disk_sizes(export_dir).items():
         lines.append(f"on disk: {name} {size} B")
@@ -163,7 +164,9 @@ def _disk_sizes(export_dir: str | os.PathLike) -> dict[str, int]:
         path = os.path.join(export_dir, part)
         if os.path.isdir(path):
             sizes[part + "/"] = sum(
-                os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+                os.path.getsize(os.path.join(root, f))
+                for root, _, files in os.walk(path)
+                for f in files
             )
         elif os.path.exists(path):
             sizes[part] = os.path.getsize(path)
