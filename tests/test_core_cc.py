@@ -1,4 +1,4 @@
-"""Builds the framework-free C++ core test (cc/sparse24/core_test.cc) with ASan + UBSan and runs it."""
+"""Builds the C++ core test (cc/sparse24/core_test.cc) with ASan + UBSan and runs it."""
 
 import concurrent.futures
 import glob
@@ -18,7 +18,7 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-o
 
 
 def core_sources() -> list[str]:
-    """The core test plus the TF-free sources it drives: format, ISA detection and every spmm variant."""
+    """The core test plus the TF-free sources it drives: format, ISA detection, every spmm."""
     spmm = [
         path
         for path in glob.glob(os.path.join(CORE, "spmm*.cc"))
@@ -38,7 +38,20 @@ def core_test_binary(tmp_path_factory) -> str:
     def compile_one(src: str) -> str:
         obj = str(out / (os.path.basename(src) + ".o"))
         flags = next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
-        cmd = [cxx, "-std=c++17", "-O0", "-g", "-Wall", *SANITIZE, *flags, f"-I{ROOT}", "-c", src, "-o", obj]
+        cmd = [
+            cxx,
+            "-std=c++17",
+            "-O0",
+            "-g",
+            "-Wall",
+            *SANITIZE,
+            *flags,
+            f"-I{ROOT}",
+            "-c",
+            src,
+            "-o",
+            obj,
+        ]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         return obj
 
@@ -53,9 +66,15 @@ def core_test_binary(tmp_path_factory) -> str:
 
 
 def test_core_under_asan_and_ubsan(core_test_binary):
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
+    env = dict(
+        os.environ,
+        ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
+        UBSAN_OPTIONS="print_stacktrace=1",
+    )
     env.pop("LD_PRELOAD", None)
-    result = subprocess.run([core_test_binary], capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run(
+        [core_test_binary], capture_output=True, text=True, env=env, timeout=300
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "ALL PASSED" in result.stdout and "FAIL" not in output, output[-6000:]

@@ -1,4 +1,4 @@
-"""The numpy reference of sparse24/v1 (tf_sparse24.format) against a plain per-group loop and by hand."""
+"""The numpy reference of sparse24/v1 (tf_sparse24.format) against a per-group loop and by hand."""
 
 import math
 import re
@@ -35,7 +35,7 @@ def random_24(rng, k, n, dtype, density=0.35):
     w = rng.standard_normal((k, n)).astype(np.float32)
     w[rng.random((k, n)) > density] = 0
     groups = w.T.reshape(n, k // 4, 4)  # view into w
-    for col, g in zip(*np.nonzero((groups != 0).sum(-1) > 2)):
+    for col, g in zip(*np.nonzero((groups != 0).sum(-1) > 2), strict=True):
         drop = rng.permutation(np.flatnonzero(groups[col, g]))[2:]
         groups[col, g, drop] = 0
     w = w.astype(dtype)
@@ -100,7 +100,9 @@ def test_check_2to4_names_first_bad_group():
     w = np.zeros((16, 5), np.float32)
     w[8:11, 3] = 1.0  # group 2, column 3
     w[12:16, 1] = 1.0  # group 3, column 1 (later in memory order)
-    with pytest.raises(ValueError, match=r"group g=2 \(rows k=8..11\) of column n=3 .*k=\[8, 9, 10\]"):
+    with pytest.raises(
+        ValueError, match=r"group g=2 \(rows k=8..11\) of column n=3 .*k=\[8, 9, 10\]"
+    ):
         fmt.check_2to4(w)
     with pytest.raises(ValueError, match="multiple of 4.*K=6"):
         fmt.check_2to4(np.zeros((6, 2)))
@@ -115,7 +117,9 @@ def test_decompress_rejects_bad_meta():
     for byte, group, pos in [(0x4A, 2, "(2, 2)"), (0x4B, 2, "(3, 2)"), (0x14, 3, "(1, 0)")]:
         bad = good.copy()
         bad[1, 1] = byte  # row 1, groups 2 (low nibble) and 3 (high nibble)
-        with pytest.raises(ValueError, match=re.escape(f"row n=1, group g={group} has positions {pos}")):
+        with pytest.raises(
+            ValueError, match=re.escape(f"row n=1, group g={group} has positions {pos}")
+        ):
             fmt.decompress(values, bad, 16)
     with pytest.raises(ValueError, match="high nibble"):
         fmt.decompress(np.ones((1, 6), np.float32), np.array([[0x4E, 0x1E]], np.uint8), 12)
@@ -127,7 +131,13 @@ def test_decompress_rejects_bad_meta():
 
 @pytest.mark.parametrize(
     "shape,axis,k",
-    [((8, 3), 0, 8), ((3, 3, 8, 5), 2, 72), ((8, 2, 16), 0, 8), ((2, 4, 16), 1, 8), ((4, 6), -2, 4)],
+    [
+        ((8, 3), 0, 8),
+        ((3, 3, 8, 5), 2, 72),
+        ((8, 2, 16), 0, 8),
+        ((2, 4, 16), 1, 8),
+        ((4, 6), -2, 4),
+    ],
 )
 def test_to_2d_follows_grouping_rule(shape, axis, k):
     w = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)

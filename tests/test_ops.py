@@ -1,4 +1,4 @@
-"""The sparse24 TF ops against the numpy reference (format.py), numpy float64 and dense TensorFlow."""
+"""The sparse24 TF ops against the numpy reference (format.py), float64 numpy and dense TF."""
 
 import re
 
@@ -13,7 +13,7 @@ from tf_sparse24 import format as fmt
 from tf_sparse24 import ops
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-# Tolerance relative to sum_k |x[m, k] * W[k, n]|: output rounding of the dtype plus fp32 accumulation.
+# Tolerance relative to sum_k |x[m, k] * W[k, n]|: the dtype's output rounding + fp32 accumulation.
 RTOL = {"float32": 2e-6, "float16": 1.5e-3, "bfloat16": 1.2e-2}
 ISAS = ["scalar", "avx2", "avx512"]
 
@@ -72,7 +72,9 @@ def test_compress_decompress_bit_exact(groups, n, dtype, seed):
     np.testing.assert_array_equal(bits(values.numpy()), bits(ref_values))
     np.testing.assert_array_equal(meta.numpy(), ref_meta)
     dense = ops.sparse24_decompress(values, meta, k)
-    np.testing.assert_array_equal(bits(dense.numpy()), bits(fmt.decompress(ref_values, ref_meta, k)))
+    np.testing.assert_array_equal(
+        bits(dense.numpy()), bits(fmt.decompress(ref_values, ref_meta, k))
+    )
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -84,7 +86,9 @@ def test_large_and_odd_shapes(dtype):
         ref_values, ref_meta = fmt.compress(w)
         np.testing.assert_array_equal(bits(values.numpy()), bits(ref_values))
         np.testing.assert_array_equal(meta.numpy(), ref_meta)
-        np.testing.assert_array_equal(bits(ops.sparse24_decompress(values, meta, k).numpy()), bits(w + 0))
+        np.testing.assert_array_equal(
+            bits(ops.sparse24_decompress(values, meta, k).numpy()), bits(w + 0)
+        )
 
 
 def test_high_level_compress_any_rank():
@@ -92,20 +96,30 @@ def test_high_level_compress_any_rank():
     shape, axis = (3, 3, 8, 6), 2  # Conv2D kernel: K = 3*3*8 with the in-channel fastest
     w = fmt.from_2d(random_24(rng, 72, 6, np.float32), shape)
     cw = ops.compress(w, axis=axis)
-    assert (cw.k, cw.n, cw.axis, cw.shape, cw.dtype) == (72, 6, 2, tf.TensorShape(shape), tf.float32)
+    assert (cw.k, cw.n, cw.axis, cw.shape, cw.dtype) == (
+        72,
+        6,
+        2,
+        tf.TensorShape(shape),
+        tf.float32,
+    )
     ref_values, ref_meta = fmt.compress(fmt.to_2d(w, axis))
     np.testing.assert_array_equal(cw.values.numpy(), ref_values)
     np.testing.assert_array_equal(cw.meta.numpy(), ref_meta)
     np.testing.assert_array_equal(ops.decompress(cw).numpy(), w)
     x = rng.standard_normal((5, 3, 3, 8)).astype(np.float32)
     y = ops.sparse_matmul(x, cw)
-    np.testing.assert_allclose(y.numpy(), np.tensordot(x.astype(np.float64), w, 3), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        y.numpy(), np.tensordot(x.astype(np.float64), w, 3), rtol=1e-5, atol=1e-5
+    )
     # MHA output projection [heads, dim, d], axis 1.
     w = fmt.from_2d(random_24(rng, 16, 5, np.float32), (2, 8, 5))
     x = rng.standard_normal((4, 7, 2, 8)).astype(np.float32)
     y = ops.sparse_matmul(x, ops.compress(w, axis=1))
     assert y.shape == (4, 7, 5)
-    np.testing.assert_allclose(y.numpy(), np.tensordot(x.astype(np.float64), w, 2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        y.numpy(), np.tensordot(x.astype(np.float64), w, 2), rtol=1e-5, atol=1e-5
+    )
     # EinsumDense [d, heads, dim], axis 0: output keeps the kernel's trailing dims.
     w = random_24(rng, 8, 6, np.float32).reshape(8, 2, 3)
     y = ops.sparse_matmul(rng.standard_normal((4, 8)).astype(np.float32), ops.compress(w))
@@ -134,14 +148,25 @@ def check_matmul(dtype, batch, k, n, rng):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_matmul_matches_float64(isa, dtype):
     if isa not in ops.supported_cpu_isas():
-        with pytest.raises(tf.errors.InvalidArgumentError, match=f"{isa} asks for a kernel variant"):
+        with pytest.raises(
+            tf.errors.InvalidArgumentError, match=f"{isa} asks for a kernel variant"
+        ):
             check_matmul(dtype, (2,), 8, 3, np.random.default_rng(0))
         return
     rng = np.random.default_rng(3)
     # M = 1..4 run the GEMV kernels, larger M the panel kernels; odd N and K % 8 == 4 hit the tails.
-    for batch, k, n in [((1,), 4, 1), ((3,), 12, 5), ((2, 2), 64, 17), ((37,), 260, 33),
-                        ((2, 35), 128, 67), ((1,), 1024, 40), ((0,), 8, 3), ((4, 0, 2), 8, 3),
-                        ((2,), 0, 3), ((3,), 8, 0)]:
+    for batch, k, n in [
+        ((1,), 4, 1),
+        ((3,), 12, 5),
+        ((2, 2), 64, 17),
+        ((37,), 260, 33),
+        ((2, 35), 128, 67),
+        ((1,), 1024, 40),
+        ((0,), 8, 3),
+        ((4, 0, 2), 8, 3),
+        ((2,), 0, 3),
+        ((3,), 8, 0),
+    ]:
         check_matmul(dtype, batch, k, n, rng)
 
 
@@ -255,8 +280,11 @@ def test_tf_function_shapes_and_saved_model(tmp_path):
     w = random_24(rng, 16, 5, np.float32)
     cw = ops.compress(w)
     spec = ops.CompressedWeight.Spec(
-        values=tf.TensorSpec([5, 8]), meta=tf.TensorSpec([5, 2], tf.uint8),
-        shape=tf.TensorShape([16, 5]), dtype=tf.float32, axis=0,
+        values=tf.TensorSpec([5, 8]),
+        meta=tf.TensorSpec([5, 2], tf.uint8),
+        shape=tf.TensorShape([16, 5]),
+        dtype=tf.float32,
+        axis=0,
     )
 
     class Module(tf.Module):
@@ -273,7 +301,11 @@ def test_tf_function_shapes_and_saved_model(tmp_path):
             return ops.sparse_matmul(x, weight)
 
     module = Module()
-    assert module.__call__.get_concrete_function().structured_outputs.shape.as_list() == [None, None, 5]
+    assert module.__call__.get_concrete_function().structured_outputs.shape.as_list() == [
+        None,
+        None,
+        5,
+    ]
     x = rng.standard_normal((2, 3, 16)).astype(np.float32)
     expected = module(x).numpy()
     np.testing.assert_allclose(expected, x @ w, rtol=1e-5, atol=1e-5)
@@ -291,9 +323,13 @@ def test_tf_function_shapes_and_saved_model(tmp_path):
     ).structured_outputs
     assert out.shape.as_list() == [None, 7, None]
     with pytest.raises(ValueError, match="Dimension must be 6 but is 7"):
-        f.get_concrete_function(tf.TensorSpec([2, 12]), tf.TensorSpec([5, 7]), tf.TensorSpec([5, 2], tf.uint8))
+        f.get_concrete_function(
+            tf.TensorSpec([2, 12]), tf.TensorSpec([5, 7]), tf.TensorSpec([5, 2], tf.uint8)
+        )
     with pytest.raises(ValueError, match="multiple of 4"):
-        f.get_concrete_function(tf.TensorSpec([2, 10]), tf.TensorSpec([5, 5]), tf.TensorSpec([5, 2], tf.uint8))
+        f.get_concrete_function(
+            tf.TensorSpec([2, 10]), tf.TensorSpec([5, 5]), tf.TensorSpec([5, 2], tf.uint8)
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,12 +341,15 @@ def test_compress_rejects_non_24_naming_row_column_group():
     w[8:11, 3] = 1.0
     w[12:16, 1] = 1.0  # later in memory order
     with pytest.raises(
-        tf.errors.InvalidArgumentError, match=r"group g=2 \(rows k=8..11\) of column n=3 has 3 non-zeros at rows k=\[8, 9, 10\]"
+        tf.errors.InvalidArgumentError,
+        match=r"group g=2 \(rows k=8..11\) of column n=3 has 3 non-zeros at rows k=\[8, 9, 10\]",
     ):
         ops.sparse24_compress(w)
     with pytest.raises(tf.errors.InvalidArgumentError, match="of column n=3"):
         ops.compress(w.reshape(4, 4, 5), axis=1)
-    with pytest.raises(ValueError, match=r"multiple of 4. Received: kernel shape \(2, 2, 5\), axis=1"):
+    with pytest.raises(
+        ValueError, match=r"multiple of 4. Received: kernel shape \(2, 2, 5\), axis=1"
+    ):
         ops.compress(np.zeros((2, 2, 5), np.float32), axis=1)
     with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of 4"):
         ops.sparse24_compress(np.zeros((6, 3), np.float32))
@@ -319,9 +358,13 @@ def test_compress_rejects_non_24_naming_row_column_group():
 def test_bad_shapes_and_dtypes():
     values, meta = (tf.constant(a) for a in fmt.compress(np.zeros((16, 3), np.float32)))
     x = tf.ones((2, 16))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"values must be \[N, 8\] and meta \[N, 2\]"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"values must be \[N, 8\] and meta \[N, 2\]"
+    ):
         ops.sparse24_matmul(x, tf.ones((3, 10)), meta)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"same N, got values \[3,8\] and meta \[4,2\]"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"same N, got values \[3,8\] and meta \[4,2\]"
+    ):
         ops.sparse24_matmul(x, values, tf.zeros((4, 2), tf.uint8) + 4)
     with pytest.raises(tf.errors.InvalidArgumentError, match="K=6"):
         ops.sparse24_matmul(tf.ones((2, 6)), tf.ones((3, 3)), tf.zeros((3, 1), tf.uint8))
@@ -336,9 +379,14 @@ def test_bad_shapes_and_dtypes():
     with pytest.raises((TypeError, tf.errors.InvalidArgumentError), match="half|float16"):
         ops.sparse24_matmul(x, tf.cast(values, tf.float16), meta)
     with pytest.raises(ValueError, match="values of dtype float32 and uint8 meta"):
-        ops.CompressedWeight(values=tf.cast(values, tf.float16), meta=meta, shape=[16, 3], dtype=tf.float32)
+        ops.CompressedWeight(
+            values=tf.cast(values, tf.float16), meta=meta, shape=[16, 3], dtype=tf.float32
+        )
     with pytest.raises(ValueError, match="must end with the kernel's contracted dims"):
-        ops.sparse_matmul(tf.ones((2, 8)), ops.CompressedWeight(values=values, meta=meta, shape=[16, 3], dtype=tf.float32))
+        ops.sparse_matmul(
+            tf.ones((2, 8)),
+            ops.CompressedWeight(values=values, meta=meta, shape=[16, 3], dtype=tf.float32),
+        )
 
 
 @pytest.mark.parametrize("op", ["matmul", "decompress"])
@@ -352,10 +400,17 @@ def test_bad_meta_is_rejected_naming_row_and_group(op):
             return ops.sparse24_matmul(tf.ones((3, k)), values, tf.constant(meta))
         return ops.sparse24_decompress(values, tf.constant(meta), k)
 
-    for byte_index, byte, group, positions in [(1, 0x4A, 2, "(2, 2)"), (2, 0x74, 5, "(3, 1)"), (3, 0x05, 6, "(1, 1)")]:
+    for byte_index, byte, group, positions in [
+        (1, 0x4A, 2, "(2, 2)"),
+        (2, 0x74, 5, "(3, 1)"),
+        (3, 0x05, 6, "(1, 1)"),
+    ]:
         bad = meta.copy()
         bad[2, byte_index] = byte
-        with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(f"row n=2, group g={group} has positions {positions}")):
+        with pytest.raises(
+            tf.errors.InvalidArgumentError,
+            match=re.escape(f"row n=2, group g={group} has positions {positions}"),
+        ):
             run(bad)
     bad = meta.copy()
     bad[1, 3] |= 0x40  # unused high nibble of the last byte
@@ -366,12 +421,28 @@ def test_bad_meta_is_rejected_naming_row_and_group(op):
 def test_missing_or_foreign_library_gives_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(ops, "_library", None)
     monkeypatch.setattr(ops, "library_path", lambda: str(tmp_path / "_sparse24_ops.so"))
-    with pytest.raises(ops.OpLibraryError, match=rf"expected {tmp_path}/_sparse24_ops.so for TensorFlow {tf.__version__}"):
+    with pytest.raises(
+        ops.OpLibraryError,
+        match=rf"expected {tmp_path}/_sparse24_ops.so for TensorFlow {tf.__version__}",
+    ):
         ops.load_library()
     (tmp_path / "_sparse24_ops.so").write_bytes(b"not a shared library")
-    with pytest.raises(ops.OpLibraryError, match=rf"could not load .*_sparse24_ops.so.* into TensorFlow {tf.__version__}"):
+    with pytest.raises(
+        ops.OpLibraryError,
+        match=rf"could not load .*_sparse24_ops.so.* into TensorFlow {tf.__version__}",
+    ):
         ops.load_library()
     assert ops._library is None
+
+
+def test_library_built_for_another_tf_is_refused(monkeypatch):
+    monkeypatch.setattr(ops, "_library", None)
+    monkeypatch.setattr(ops, "_built_tf_version", lambda path: "2.20.0")
+    with pytest.raises(
+        ops.OpLibraryError,
+        match=rf"built for TensorFlow 2.20.0, but TensorFlow {tf.__version__} is running.*make ops",
+    ):
+        ops.load_library()
 
 
 def test_library_records_its_tf_version():

@@ -1,4 +1,4 @@
-"""Numpy reference of the `sparse24/v1` compressed format: the definition the C++ ops match bit for bit.
+"""Numpy reference of the `sparse24/v1` compressed format: the definition the C++ ops match exactly.
 
 A 2-D weight W `[K, N]` (Keras kernel layout, 2:4 along K) is stored as
 
@@ -39,7 +39,8 @@ N_KEPT = 2  # elements kept per group
 def _check_k(k: int, what: str) -> None:
     if k % M != 0:
         raise ValueError(
-            f"{what}: K (the reduction size) must be a multiple of {M} for 2:4 groups. Received: K={k}"
+            f"{what}: K (the reduction size) must be a multiple of {M} for 2:4 groups. "
+            f"Received: K={k}"
         )
 
 
@@ -133,8 +134,9 @@ def check_meta(meta: np.ndarray, k: int) -> None:
     """Checks that `meta` [N, ceil(K/8)] is valid for K.
 
     Raises:
-        ValueError: on a wrong shape or dtype, a group whose two positions are not strictly ascending
-            (naming its row n and group g), or a non-zero unused high nibble when K % 8 == 4.
+        ValueError: on a wrong shape or dtype, a group whose two positions are not strictly
+            ascending (naming its row n and group g), or a non-zero unused high nibble when
+            K % 8 == 4.
     """
     meta = np.asarray(meta)
     _check_k(k, "check_meta")

@@ -1,4 +1,4 @@
-"""Python side of the sparse24 custom ops: library loading, raw ops with gradients, CompressedWeight.
+"""Python side of the sparse24 custom ops: loading, raw ops with gradients, CompressedWeight.
 
 The ops (`Sparse24Compress`, `Sparse24Decompress`, `Sparse24MatMul`) live in the C++ library
 `_sparse24_ops*.so` next to this file, built against the installed TensorFlow by `pip install
@@ -43,7 +43,7 @@ def library_path() -> str:
 
 
 def _built_tf_version(path: str) -> str:
-    """TensorFlow version the library was compiled against ("unknown" if not recorded, e.g. Bazel)."""
+    """TensorFlow version the library was built against ("unknown" if not recorded: Bazel)."""
     try:
         fn = ctypes.CDLL(path, mode=os.RTLD_LAZY).tf_sparse24_tf_version
     except (OSError, AttributeError):
@@ -299,9 +299,9 @@ def sparse_matmul(x: tf.Tensor, cw: CompressedWeight) -> tf.Tensor:
     """
     x = tf.convert_to_tensor(x, dtype=cw.dtype)
     contracted = cw.shape[: cw.axis + 1]
-    if x.shape.rank is not None and not x.shape[x.shape.rank - len(contracted) :].is_compatible_with(
-        contracted
-    ):
+    if x.shape.rank is not None and not x.shape[
+        x.shape.rank - len(contracted) :
+    ].is_compatible_with(contracted):
         raise ValueError(
             f"sparse_matmul: x must end with the kernel's contracted dims {contracted.as_list()}. "
             f"Received: x shape {x.shape}, kernel shape {cw.shape}, axis={cw.axis}"
@@ -315,8 +315,8 @@ def sparse_matmul(x: tf.Tensor, cw: CompressedWeight) -> tf.Tensor:
     return tf.reshape(y, tf.concat([batch, out_dims], axis=0))
 
 
-# Register the ops at import, so `import tf_sparse24` is all an accelerated SavedModel needs to load.
-# Without a usable library the pure-Python parts keep working and the first op call raises the reason.
+# Register the ops at import: `import tf_sparse24` is all an accelerated SavedModel needs to load.
+# Without a usable library the pure-Python parts still work; the first op call raises the reason.
 try:
     load_library()
 except OpLibraryError:
