@@ -62,7 +62,8 @@ class Watch(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.masks = {  # empty for the --dense baseline
             f"{w.name}/{pw.name}": np.array(pw.mask.numpy())
-            for w in tf_sparse24.pruned_layers(self.model) for pw in w.pruned_weights
+            for w in tf_sparse24.pruned_layers(self.model)
+            for pw in w.pruned_weights
         }
         self.t0 = time.perf_counter()
 
@@ -74,8 +75,18 @@ class Watch(keras.callbacks.Callback):
                 same &= np.array_equal(pw.mask.numpy(), self.masks[f"{wrapper.name}/{pw.name}"])
         self.broken |= not (ok and same)
         gc.collect()
-        self.rows.append((epoch + 1, logs["loss"], logs.get("val_accuracy", float("nan")), ok, same,
-                          rss_mb(), len(gc.get_objects()), time.perf_counter() - self.t0))
+        self.rows.append(
+            (
+                epoch + 1,
+                logs["loss"],
+                logs.get("val_accuracy", float("nan")),
+                ok,
+                same,
+                rss_mb(),
+                len(gc.get_objects()),
+                time.perf_counter() - self.t0,
+            )
+        )
 
 
 def main(argv=None) -> int:
@@ -83,8 +94,11 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=20, help="fine-tuning epochs")
     parser.add_argument("--dense-epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dense", action="store_true",
-                        help="baseline: continue training the dense model instead (same epochs)")
+    parser.add_argument(
+        "--dense",
+        action="store_true",
+        help="baseline: continue training the dense model instead (same epochs)",
+    )
     args = parser.parse_args(argv)
 
     example = load_example()
@@ -101,28 +115,46 @@ def main(argv=None) -> int:
     start_acc = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
     watch = Watch(x_test, y_test)
     callbacks = [watch] if args.dense else [tf_sparse24.Sparse24Callback(), watch]
-    model.fit(x_train, y_train, batch_size=64, epochs=args.epochs, verbose=0,
-              validation_data=(x_test, y_test), callbacks=callbacks)
+    model.fit(
+        x_train,
+        y_train,
+        batch_size=64,
+        epochs=args.epochs,
+        verbose=0,
+        validation_data=(x_test, y_test),
+        callbacks=callbacks,
+    )
 
     what = "DENSE BASELINE (no pruning)" if args.dense else "2:4"
-    print(f"MNIST {what} long run: {len(x_train)} train / {len(x_test)} test digits, "
-          f"{args.dense_epochs} dense + {args.epochs} more epochs; RSS before {rss_before:.0f} MiB; "
-          f"test accuracy after dense training {dense_acc:.4f}, at the start of these epochs "
-          f"{start_acc:.4f}")
-    print(f"{'epoch':>5} {'loss':>8} {'val_acc':>8} {'2:4 ok':>6} {'masks':>6} {'RSS MiB':>8} "
-          f"{'py objects':>10} {'elapsed s':>9}")
+    print(
+        f"MNIST {what} long run: {len(x_train)} train / {len(x_test)} test digits, "
+        f"{args.dense_epochs} dense + {args.epochs} more epochs; RSS before {rss_before:.0f} MiB; "
+        f"test accuracy after dense training {dense_acc:.4f}, at the start of these epochs "
+        f"{start_acc:.4f}"
+    )
+    print(
+        f"{'epoch':>5} {'loss':>8} {'val_acc':>8} {'2:4 ok':>6} {'masks':>6} {'RSS MiB':>8} "
+        f"{'py objects':>10} {'elapsed s':>9}"
+    )
     for epoch, loss, acc, ok, same, rss, objs, t in watch.rows:
         ok, same = ("-", "-") if args.dense else (str(ok), "same" if same else "MOVED")
-        print(f"{epoch:>5} {loss:>8.4f} {acc:>8.4f} {ok:>6} {same:>6} "
-              f"{rss:>8.1f} {objs:>10} {t:>9.1f}")
+        print(
+            f"{epoch:>5} {loss:>8.4f} {acc:>8.4f} {ok:>6} {same:>6} "
+            f"{rss:>8.1f} {objs:>10} {t:>9.1f}"
+        )
     first, last = watch.rows[0], watch.rows[-1]
     half = watch.rows[len(watch.rows) // 2 :]
     slope = np.polyfit([r[0] for r in half], [r[5] for r in half], 1)[0] if len(half) > 1 else 0.0
-    print(f"drift epoch {first[0]} -> {last[0]}: RSS {last[5] - first[5]:+.1f} MiB, "
-          f"least-squares RSS slope over epochs {half[0][0]}-{last[0]}: {slope:+.2f} MiB/epoch, "
-          f"Python objects {last[6] - first[6]:+d}")
+    print(
+        f"drift epoch {first[0]} -> {last[0]}: RSS {last[5] - first[5]:+.1f} MiB, "
+        f"least-squares RSS slope over epochs {half[0][0]}-{last[0]}: {slope:+.2f} MiB/epoch, "
+        f"Python objects {last[6] - first[6]:+d}"
+    )
     if not args.dense:
-        print("invariant:", "BROKEN" if watch.broken else "exact 2:4 and unchanged masks after every epoch")
+        print(
+            "invariant:",
+            "BROKEN" if watch.broken else "exact 2:4 and unchanged masks after every epoch",
+        )
     return 1 if watch.broken else 0
 
 

@@ -25,8 +25,15 @@ def single_device_reference(epochs: int) -> tuple[dict, np.ndarray]:
     model = tf_sparse24.prune(dense)
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
     x, y = scenario.data()
-    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-                        callbacks=[tf_sparse24.Sparse24Callback()])
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[tf_sparse24.Sparse24Callback()],
+    )
     state = scenario.pruned_state(model)
     for key, entry in state.items():
         entry["initial_magnitude_mask"] = scenario.magnitude_mask(initial[key], int(entry["axis"]))
@@ -35,13 +42,23 @@ def single_device_reference(epochs: int) -> tuple[dict, np.ndarray]:
 
 def assert_replica_matches(key: str, mask: np.ndarray, effective: np.ndarray, ref: dict) -> None:
     axis = int(ref["axis"])
-    np.testing.assert_array_equal(mask, ref["mask"], err_msg=f"{key}: mask differs from single device")
-    np.testing.assert_array_equal(mask, ref["initial_magnitude_mask"],
-                                  err_msg=f"{key}: mask is not the magnitude mask of the initial weights")
+    np.testing.assert_array_equal(
+        mask, ref["mask"], err_msg=f"{key}: mask differs from single device"
+    )
+    np.testing.assert_array_equal(
+        mask,
+        ref["initial_magnitude_mask"],
+        err_msg=f"{key}: mask is not the magnitude mask of the initial weights",
+    )
     assert scenario.is_nm(effective, axis), f"{key}: effective weight is not 2:4 after training"
     assert not effective[mask == 0].any(), f"{key}: non-zero at a pruned position"
-    np.testing.assert_allclose(effective, ref["effective"], rtol=1e-5, atol=1e-6,
-                               err_msg=f"{key}: weights differ from the single-device run")
+    np.testing.assert_allclose(
+        effective,
+        ref["effective"],
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=f"{key}: weights differ from the single-device run",
+    )
 
 
 @pytest.mark.slow
@@ -52,10 +69,15 @@ def test_mirrored_strategy_two_logical_cpus(tmp_path):
     ref, ref_loss = single_device_reference(EPOCHS)
     assert ref, "prune() pruned nothing in the tiny model"
     for key, entry in ref.items():
-        np.testing.assert_array_equal(got[f"{key}:mask0"], got[f"{key}:mask1"],
-                                      err_msg=f"{key}: replicas hold different masks")
+        np.testing.assert_array_equal(
+            got[f"{key}:mask0"],
+            got[f"{key}:mask1"],
+            err_msg=f"{key}: replicas hold different masks",
+        )
         for replica in range(2):
-            assert_replica_matches(key, got[f"{key}:mask{replica}"], got[f"{key}:effective{replica}"], entry)
+            assert_replica_matches(
+                key, got[f"{key}:mask{replica}"], got[f"{key}:effective{replica}"], entry
+            )
     np.testing.assert_allclose(got["loss"], ref_loss, rtol=1e-5)
 
 
@@ -66,8 +88,14 @@ def run_mwms(tmp_path, epochs: int) -> list:
         outs = [tmp_path / f"worker{i}.npz" for i in range(2)]
         logs = [tmp_path / f"worker{i}.{attempt}.log" for i in range(2)]
         workers = [
-            procs.start("mwms_worker.py", outs[i], epochs, i, log=logs[i],
-                        env=procs.worker_env(TF_CONFIG=procs.tf_config(ports, i)))
+            procs.start(
+                "mwms_worker.py",
+                outs[i],
+                epochs,
+                i,
+                log=logs[i],
+                env=procs.worker_env(TF_CONFIG=procs.tf_config(ports, i)),
+            )
             for i in range(2)  # worker i initialises from seed i: MWMS must sync them
         ]
         results = procs.wait_all(workers, logs, timeout=400)
@@ -85,7 +113,9 @@ def test_multi_worker_mirrored_two_processes(tmp_path):
     ref, ref_loss = single_device_reference(EPOCHS)
     for key, entry in ref.items():
         masks = [w[f"{key}:mask"] for w in workers]
-        np.testing.assert_array_equal(masks[0], masks[1], err_msg=f"{key}: workers hold different masks")
+        np.testing.assert_array_equal(
+            masks[0], masks[1], err_msg=f"{key}: workers hold different masks"
+        )
         for w in workers:
             assert_replica_matches(key, w[f"{key}:mask"], w[f"{key}:effective"], entry)
             np.testing.assert_array_equal(w[f"{key}:effective"], workers[0][f"{key}:effective"])

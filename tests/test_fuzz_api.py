@@ -20,8 +20,13 @@ import keras
 import tf_sparse24
 from helpers import scenario
 
-FUZZ = settings(max_examples=25, deadline=None, database=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 SLOW_FUZZ = settings(FUZZ, max_examples=8)
 DTYPES = [np.float16, np.float32, np.float64, ml_dtypes.bfloat16]
 PATTERNS = ["2:4", "1:4", "3:4", "1:2", "2:8", " 2 : 4 "]
@@ -51,10 +56,21 @@ def pruned_model():
 
 
 @FUZZ
-@given(st.one_of(st.text(max_size=12),
-                 st.builds("{}{}:{}{}".format, st.sampled_from(["", " "]), st.integers(-9, 99),
-                           st.integers(-9, 99), st.sampled_from(["", " ", "x"])),
-                 st.integers(), st.none(), st.tuples(st.integers(), st.integers())))
+@given(
+    st.one_of(
+        st.text(max_size=12),
+        st.builds(
+            "{}{}:{}{}".format,
+            st.sampled_from(["", " "]),
+            st.integers(-9, 99),
+            st.integers(-9, 99),
+            st.sampled_from(["", " ", "x"]),
+        ),
+        st.integers(),
+        st.none(),
+        st.tuples(st.integers(), st.integers()),
+    )
+)
 def test_parse_pattern_accepts_exactly_n_colon_m(pattern):
     match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", pattern) if isinstance(pattern, str) else None
     valid = match is not None and 0 < int(match[1]) < int(match[2])
@@ -100,8 +116,14 @@ def test_compute_mask_matches_numpy_or_raises_clearly(w, axis, pattern):
 
 
 @SLOW_FUZZ
-@given(st.sampled_from(["hidden", "out"]), st.integers(0, 10**6), st.sampled_from([np.nan, np.inf, -np.inf]))
-def test_prune_rejects_nonfinite_weights_naming_the_layer_and_changes_nothing(layer_name, spot, bad):
+@given(
+    st.sampled_from(["hidden", "out"]),
+    st.integers(0, 10**6),
+    st.sampled_from([np.nan, np.inf, -np.inf]),
+)
+def test_prune_rejects_nonfinite_weights_naming_the_layer_and_changes_nothing(
+    layer_name, spot, bad
+):
     model = trained_model()
     kernel = model.get_layer(layer_name).kernel
     original = kernel.numpy()
@@ -176,13 +198,16 @@ def test_update_masks_with_nonfinite_weights_keeps_every_mask(which, spot, bad):
 def test_pruned_model_rejects_wrong_input_shapes_and_changes_nothing(features, batch):
     model = pruned_model()
     before = snapshot(model)
-    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match=r"(?i)shape|incompatible"):
+    with pytest.raises(
+        (ValueError, tf.errors.InvalidArgumentError), match=r"(?i)shape|incompatible"
+    ):
         model(np.ones((batch, features), "float32"))
     assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("kwargs", [{"start_step": -1}, {"start_step": 1.5}, {"update_every": 0},
-                                    {"update_every": "10"}])
+@pytest.mark.parametrize(
+    "kwargs", [{"start_step": -1}, {"start_step": 1.5}, {"update_every": 0}, {"update_every": "10"}]
+)
 def test_callback_rejects_bad_schedules(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         tf_sparse24.Sparse24Callback(**kwargs)

@@ -38,8 +38,15 @@ def fine_tune(policy: str, jit_compile: bool, epochs: int = 1):
         model = tf_sparse24.prune(dense)
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", jit_compile=jit_compile)
         x, y = scenario.data()
-        model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-                  callbacks=[tf_sparse24.Sparse24Callback()])
+        model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[tf_sparse24.Sparse24Callback()],
+        )
     return model, initial
 
 
@@ -72,27 +79,36 @@ def test_mixed_precision_masks_exact_in_master_and_compute_weights(policy):
             effective = np.asarray(wrapper.effective_weight(pw))
             assert scenario.is_nm(effective, pw.axis) and not effective[mask == 0].any(), key
             used = probe_compute_weight(wrapper, COMPUTE[policy])
-            assert not used[mask == 0].any(), f"{key}: {COMPUTE[policy]} compute weight non-zero where masked"
+            assert not used[mask == 0].any(), (
+                f"{key}: {COMPUTE[policy]} compute weight non-zero where masked"
+            )
             assert scenario.is_nm(used, pw.axis), key
 
         x, _ = scenario.data(8, seed=5)
-        np.testing.assert_allclose(np.asarray(model(x), np.float64), float64_forward(model, x),
-                                   rtol=0.05, atol=0.05)
+        np.testing.assert_allclose(
+            np.asarray(model(x), np.float64), float64_forward(model, x), rtol=0.05, atol=0.05
+        )
 
 
 def float64_forward(model, x: np.ndarray) -> np.ndarray:
     """Numpy float64 forward of the tiny model from its effective (masked) weights."""
     hidden, out = tf_sparse24.pruned_layers(model)
+
     def dense(wrapper, h):
-        return h @ np.asarray(wrapper.effective_weight(wrapper.pruned_weights[0]), np.float64) + \
-            wrapper.layer.bias.numpy()
+        return (
+            h @ np.asarray(wrapper.effective_weight(wrapper.pruned_weights[0]), np.float64)
+            + wrapper.layer.bias.numpy()
+        )
+
     return dense(out, np.maximum(dense(hidden, x.astype(np.float64)), 0))
 
 
 def test_loss_scaling_skips_overflow_steps_and_keeps_masks():
     with global_policy("mixed_float16"):
         model = tf_sparse24.prune(scenario.dense_model(seed=0))
-        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0**24)
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.05), initial_scale=2.0**24
+        )
         model.compile(optimizer, "mse", jit_compile=True)
         x, y = scenario.data(16)
         before = {k: v["variable"] for k, v in scenario.pruned_state(model).items()}
@@ -100,19 +116,26 @@ def test_loss_scaling_skips_overflow_steps_and_keeps_masks():
         model.train_on_batch(x, y)  # 2**24 overflows float16 gradients: the step must be skipped
         assert float(optimizer.dynamic_scale.numpy()) < 2.0**24
         for key, state in scenario.pruned_state(model).items():
-            np.testing.assert_array_equal(state["variable"], before[key], f"{key}: skipped step changed weights")
+            np.testing.assert_array_equal(
+                state["variable"], before[key], f"{key}: skipped step changed weights"
+            )
         for _ in range(14):
             model.train_on_batch(x, y)
         after = scenario.pruned_state(model)
-    assert any(not np.array_equal(after[k]["variable"], before[k]) for k in after), "no step was ever applied"
+    assert any(not np.array_equal(after[k]["variable"], before[k]) for k in after), (
+        "no step was ever applied"
+    )
     for key, state in after.items():
         axis = int(state["axis"])
         assert np.isfinite(state["variable"]).all(), key
         np.testing.assert_array_equal(state["mask"], masks[key], key)
         assert scenario.is_nm(state["effective"], axis), key
         pruned = masks[key] == 0
-        np.testing.assert_array_equal(state["variable"][pruned], before[key][pruned],
-                                      f"{key}: pruned positions received updates")
+        np.testing.assert_array_equal(
+            state["variable"][pruned],
+            before[key][pruned],
+            f"{key}: pruned positions received updates",
+        )
 
 
 def test_jit_compile_trains_like_graph_mode():
@@ -122,4 +145,6 @@ def test_jit_compile_trains_like_graph_mode():
     for key, state in graph_state.items():
         np.testing.assert_array_equal(jit_state[key]["mask"], state["mask"], key)
         assert scenario.is_nm(jit_state[key]["effective"], int(state["axis"])), key
-        np.testing.assert_allclose(jit_state[key]["effective"], state["effective"], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            jit_state[key]["effective"], state["effective"], rtol=1e-4, atol=1e-6
+        )

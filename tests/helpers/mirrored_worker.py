@@ -41,8 +41,15 @@ def main(out: str, epochs: int) -> None:
     with strategy.scope():
         model = tf_sparse24.prune(scenario.dense_model(seed=0))
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
-    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-                        callbacks=[tf_sparse24.Sparse24Callback()])
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[tf_sparse24.Sparse24Callback()],
+    )
 
     arrays = {"loss": np.array(history.history["loss"])}
     for layer in tf_sparse24.pruned_layers(model):

@@ -52,7 +52,8 @@ def main(out: str, epochs: int, seed: int) -> None:
         return strategy.reduce("SUM", strategy.run(replica_step, args=(xb, yb)), axis=None)
 
     callbacks = keras.callbacks.CallbackList(
-        [tf_sparse24.Sparse24Callback()], add_history=True, model=model, epochs=epochs, steps=steps)
+        [tf_sparse24.Sparse24Callback()], add_history=True, model=model, epochs=epochs, steps=steps
+    )
     callbacks.on_train_begin()
     for epoch in range(epochs):
         callbacks.on_epoch_begin(epoch)

@@ -11,7 +11,6 @@ shows up as the worker dying from a signal, which the test reports as a failure.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import traceback
@@ -28,8 +27,13 @@ from tf_sparse24 import format as fmt  # noqa: E402
 from tf_sparse24 import ops  # noqa: E402
 
 EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "40"))
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 EXPECTED_ERRORS = (tf.errors.InvalidArgumentError, ValueError, TypeError)
 SPECIALS = [np.nan, np.inf, -np.inf, -0.0]
@@ -49,7 +53,9 @@ def raises_clearly(call, must_mention: str | None = None) -> BaseException:
         message = str(err)
         assert len(message) > 10, f"unhelpful error message: {message!r}"
         if must_mention:
-            assert must_mention in message.lower(), f"error does not mention {must_mention!r}: {message}"
+            assert must_mention in message.lower(), (
+                f"error does not mention {must_mention!r}: {message}"
+            )
         return err
     raise AssertionError(f"bad input accepted silently; got {result!r}")
 
@@ -99,7 +105,9 @@ def compress_matches_reference_or_names_the_group(w):
     np.testing.assert_array_equal(bits(values), bits(ref_values))
     np.testing.assert_array_equal(meta, ref_meta)
     dense = ops.sparse24_decompress(values, meta, w.shape[0]).numpy()
-    np.testing.assert_array_equal(bits(dense), bits(fmt.decompress(ref_values, ref_meta, w.shape[0])))
+    np.testing.assert_array_equal(
+        bits(dense), bits(fmt.decompress(ref_values, ref_meta, w.shape[0]))
+    )
     assert np.array_equal(dense.astype(np.float32), w.astype(np.float32), equal_nan=True)
 
 
@@ -114,8 +122,16 @@ def compress_rejects_bad_shapes_and_dtypes(rank, k_extra, n, dtype):
     raises_clearly(lambda: ops.sparse24_compress(tf.constant(w)))
 
 
-CORRUPTIONS = ["flip_meta_bits", "k_attr", "values_cols", "meta_cols", "values_rank", "meta_dtype",
-               "values_dtype", "meta_rows"]
+CORRUPTIONS = [
+    "flip_meta_bits",
+    "k_attr",
+    "values_cols",
+    "meta_cols",
+    "values_rank",
+    "meta_dtype",
+    "values_dtype",
+    "meta_rows",
+]
 
 
 @prop
@@ -135,9 +151,17 @@ def decompress_corrupted_inputs_raise_or_match_reference(w, corruption, salt):
         extra = np.zeros((values.shape[0], 1), values.dtype)
         values = np.concatenate([values, extra], 1) if rng.integers(2) else values[:, :-2].copy()
     elif corruption == "meta_cols":
-        meta = np.ascontiguousarray(meta[:, 1:]) if meta.shape[1] else np.zeros((meta.shape[0], 1), np.uint8)
+        meta = (
+            np.ascontiguousarray(meta[:, 1:])
+            if meta.shape[1]
+            else np.zeros((meta.shape[0], 1), np.uint8)
+        )
     elif corruption == "meta_rows":
-        meta = np.concatenate([meta, meta[:1]], 0) if meta.shape[0] else np.zeros((1, meta.shape[1]), np.uint8)
+        meta = (
+            np.concatenate([meta, meta[:1]], 0)
+            if meta.shape[0]
+            else np.zeros((1, meta.shape[1]), np.uint8)
+        )
     elif corruption == "values_rank":
         values = values.reshape(-1)
     elif corruption == "meta_dtype":
@@ -153,7 +177,9 @@ def decompress_corrupted_inputs_raise_or_match_reference(w, corruption, salt):
     try:
         want = reference()
     except ValueError:
-        raises_clearly(lambda: ops.sparse24_decompress(tf.constant(values), tf.constant(meta), k_attr))
+        raises_clearly(
+            lambda: ops.sparse24_decompress(tf.constant(values), tf.constant(meta), k_attr)
+        )
         return
     got = ops.sparse24_decompress(values, meta, k_attr).numpy()
     np.testing.assert_array_equal(bits(got), bits(want))
@@ -161,8 +187,12 @@ def decompress_corrupted_inputs_raise_or_match_reference(w, corruption, salt):
 
 @prop
 @SETTINGS
-@given(sparse_matrices(valid=True, max_k=64, max_n=6), st.lists(st.integers(0, 3), max_size=2),
-       st.booleans(), st.integers(0, 2**31 - 1))
+@given(
+    sparse_matrices(valid=True, max_k=64, max_n=6),
+    st.lists(st.integers(0, 3), max_size=2),
+    st.booleans(),
+    st.integers(0, 2**31 - 1),
+)
 def matmul_matches_float64_and_propagates_specials(w, batch, specials, salt):
     w = np.where(np.isfinite(w.astype(np.float32)), w, np.zeros((), w.dtype)).astype(w.dtype)
     k, n = w.shape
@@ -179,13 +209,15 @@ def matmul_matches_float64_and_propagates_specials(w, batch, specials, salt):
     want = terms.sum(axis=-2)
     y64 = y.astype(np.float64)
     special_out = ~np.isfinite(want)
-    assert np.array_equal(np.isnan(y64[np.isnan(want)]), np.ones(np.isnan(want).sum(), bool)), "NaN lost"
+    assert np.array_equal(np.isnan(y64[np.isnan(want)]), np.ones(np.isnan(want).sum(), bool)), (
+        "NaN lost"
+    )
     assert not np.isfinite(y64[special_out]).any(), "Inf/NaN input gave a finite output"
     row_finite = np.isfinite(x64).all(axis=-1)[..., None] & ~special_out
     tol = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}[w.dtype.name]
     scale = np.abs(terms).sum(axis=-2) + 1.0
     # Where x has an Inf that meets only pruned zeros, a dense matmul gives NaN (Inf * 0) and a
-    # kernel that skips zeros gives the finite sum: both are fine, but a finite answer must be right.
+    # kernel that skips zeros gives the finite sum: both are fine; a finite answer must be right.
     check = row_finite | (np.isfinite(y64) & ~special_out)
     with np.errstate(invalid="ignore"):
         assert (np.abs(y64 - want)[check] <= tol * scale[check]).all(), "wrong matmul result"
@@ -193,8 +225,10 @@ def matmul_matches_float64_and_propagates_specials(w, batch, specials, salt):
 
 @prop
 @SETTINGS
-@given(sparse_matrices(valid=True, max_k=16, max_n=4), st.sampled_from(
-    ["x_last_dim", "x_rank0", "x_dtype", "meta_mismatch", "values_dtype"]))
+@given(
+    sparse_matrices(valid=True, max_k=16, max_n=4),
+    st.sampled_from(["x_last_dim", "x_rank0", "x_dtype", "meta_mismatch", "values_dtype"]),
+)
 def matmul_rejects_inconsistent_inputs(w, bad):
     k, n = w.shape
     values, meta = fmt.compress(w)
@@ -209,7 +243,9 @@ def matmul_rejects_inconsistent_inputs(w, bad):
         meta = np.zeros((n + 1, meta.shape[1]), np.uint8)
     elif bad == "values_dtype":
         values = values.astype(np.float32 if w.dtype != np.float32 else np.float16)
-    raises_clearly(lambda: ops.sparse24_matmul(tf.constant(x), tf.constant(values), tf.constant(meta)))
+    raises_clearly(
+        lambda: ops.sparse24_matmul(tf.constant(x), tf.constant(values), tf.constant(meta))
+    )
 
 
 @prop
@@ -253,8 +289,9 @@ def huge_and_empty_shapes(dtype, salt):
     x = rng.standard_normal((2, k)).astype(w.dtype)
     want = x.astype(np.float64) @ w.astype(np.float64)
     tol = {"float32": 1e-3, "float16": 0.5, "bfloat16": 2.0}[dtype]  # |terms| ~ sqrt(K/2) ~ 180
-    np.testing.assert_allclose(ops.sparse24_matmul(x, values, meta).numpy().astype(np.float64),
-                               want, atol=tol, rtol=0)
+    np.testing.assert_allclose(
+        ops.sparse24_matmul(x, values, meta).numpy().astype(np.float64), want, atol=tol, rtol=0
+    )
     empty = ops.sparse24_matmul(np.zeros((0, 5, k), w.dtype), values, meta)
     assert tuple(empty.shape) == (0, 5, n), empty.shape
     raises_clearly(lambda: ops.sparse24_decompress(tf.constant(values), tf.constant(meta), 1 << 40))
@@ -272,7 +309,9 @@ def main(names: list[str]) -> int:
             print(f"[op-fuzz] {name}: FAILED", flush=True)
         else:
             print(f"[op-fuzz] {name}: ok", flush=True)
-    print(f"[op-fuzz] failed: {failed}" if failed else "[op-fuzz] all properties passed", flush=True)
+    print(
+        f"[op-fuzz] failed: {failed}" if failed else "[op-fuzz] all properties passed", flush=True
+    )
     return 1 if failed else 0
 
 

@@ -36,7 +36,9 @@ class Result:
     def check(self) -> "Result":
         """Raises AssertionError with the worker's output unless it exited 0 on its own."""
         if self.timed_out:
-            raise AssertionError(f"worker {self.args} hit its time limit and was killed:\n{self.tail()}")
+            raise AssertionError(
+                f"worker {self.args} hit its time limit and was killed:\n{self.tail()}"
+            )
         if self.returncode < 0:
             name = signal.Signals(-self.returncode).name
             raise AssertionError(f"worker {self.args} died from {name}:\n{self.tail()}")
@@ -78,14 +80,21 @@ def tf_config(ports: list[int], index: int) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
-def start(script: str, *args: str, env: dict[str, str] | None = None, log: Path | None = None
-          ) -> subprocess.Popen:
+def start(
+    script: str, *args: str, env: dict[str, str] | None = None, log: Path | None = None
+) -> subprocess.Popen:
     """Starts `python tests/helpers/<script> args...` in a new session, output to `log`."""
     cmd = [sys.executable, str(HELPERS / script), *map(str, args)]
     out = open(log, "w") if log is not None else subprocess.DEVNULL
     try:
-        return subprocess.Popen(cmd, env=env or worker_env(), stdout=out, stderr=subprocess.STDOUT,
-                                cwd=str(REPO), start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            env=env or worker_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=str(REPO),
+            start_new_session=True,
+        )
     finally:
         if log is not None:
             out.close()
@@ -118,13 +127,16 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) ->
         for p in procs:
             kill(p)
     return [
-        Result(p.args, p.returncode, Path(log).read_text(errors="replace"), timed_out and was_running)
+        Result(
+            p.args, p.returncode, Path(log).read_text(errors="replace"), timed_out and was_running
+        )
         for p, log, was_running in zip(procs, logs, running)
     ]
 
 
-def run(script: str, *args: str, tmp: Path, timeout: float, env: dict[str, str] | None = None
-        ) -> Result:
+def run(
+    script: str, *args: str, tmp: Path, timeout: float, env: dict[str, str] | None = None
+) -> Result:
     """Runs one worker to completion (or kills it at `timeout`) and returns its Result."""
     log = tmp / f"{Path(script).stem}.{time.monotonic_ns()}.log"
     return wait_all([start(script, *args, env=env, log=log)], [log], timeout)[0]

@@ -11,12 +11,17 @@ import numpy as np
 FEATURES, HIDDEN, OUTPUTS = 16, 16, 4
 
 
-def data(samples: int = 64, seed: int = 1, zero_targets: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def data(
+    samples: int = 64, seed: int = 1, zero_targets: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """A regression problem: x [samples, 16], y [samples, 4] (all zeros if `zero_targets`)."""
     rng = np.random.RandomState(seed)
     x = rng.randn(samples, FEATURES).astype("float32")
-    y = np.zeros((samples, OUTPUTS), "float32") if zero_targets else (
-        np.tanh(x @ rng.randn(FEATURES, OUTPUTS)).astype("float32"))
+    y = (
+        np.zeros((samples, OUTPUTS), "float32")
+        if zero_targets
+        else (np.tanh(x @ rng.randn(FEATURES, OUTPUTS)).astype("float32"))
+    )
     return x, y
 
 
@@ -36,7 +41,7 @@ def dense_model(seed: int = 0, dtype: str | None = None):
 
 
 def pruned_state(model) -> dict[str, dict[str, np.ndarray]]:
-    """{"<inner layer>/<weight>": {"mask", "variable", "effective", "axis"}} for every pruned weight."""
+    """{"<inner layer>/<weight>": {"mask", "variable", "effective", "axis"}} per pruned weight."""
     import tf_sparse24
 
     state = {}

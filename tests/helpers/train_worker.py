@@ -44,8 +44,11 @@ class Recorder(keras.callbacks.Callback):
         self.epoch = epoch
         if self.first_epoch is None:  # after BackupAndRestore and Sparse24Callback began
             self.first_epoch = epoch
-            np.savez(self.workdir / f"begin_{os.getpid()}.npz", first_epoch=np.array(epoch),
-                     **scenario.flat_state(self.model))
+            np.savez(
+                self.workdir / f"begin_{os.getpid()}.npz",
+                first_epoch=np.array(epoch),
+                **scenario.flat_state(self.model),
+            )
 
     def on_train_batch_end(self, batch, logs=None):
         if self.kill_at == (self.epoch, batch):
@@ -55,7 +58,9 @@ class Recorder(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         np.savez(self.workdir / f"epoch_{epoch}.npz", **scenario.flat_state(self.model))
         with open(self.workdir / "progress.jsonl", "a") as f:
-            f.write(json.dumps({"epoch": epoch, "loss": float(logs["loss"]), "pid": os.getpid()}) + "\n")
+            f.write(
+                json.dumps({"epoch": epoch, "loss": float(logs["loss"]), "pid": os.getpid()}) + "\n"
+            )
 
 
 class ManagedCheckpoint(keras.callbacks.Callback):
@@ -80,8 +85,13 @@ def build(init_seed: int):
     return model
 
 
-def train(workdir: Path, init_seed: int, epochs: int, kill_at: tuple[int, int] | None = None,
-          checkpoints: bool = True):
+def train(
+    workdir: Path,
+    init_seed: int,
+    epochs: int,
+    kill_at: tuple[int, int] | None = None,
+    checkpoints: bool = True,
+):
     workdir.mkdir(parents=True, exist_ok=True)
     x, y = scenario.data(SAMPLES)
     model = build(init_seed)
