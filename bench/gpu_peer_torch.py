@@ -21,6 +21,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
+# What torch raises for an unsupported shape, dtype, GPU or missing API.
+PEER_ERRORS = (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError)
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,7 +44,7 @@ def ints(text: str) -> list[int]:
 
 def random_24(n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Wt [N, K] with exactly 2 non-zeros (magnitudes in [0.25, 1)) in every 4 along K."""
-    values = (torch.rand(n, k, generator=gen, device="cuda") * 0.75 + 0.25)
+    values = torch.rand(n, k, generator=gen, device="cuda") * 0.75 + 0.25
     values *= torch.where(torch.rand(n, k, generator=gen, device="cuda") < 0.5, -1.0, 1.0)
     scores = torch.rand(n, k // 4, 4, generator=gen, device="cuda")
     keep = scores.argsort(dim=-1)[..., :2]
@@ -93,7 +96,7 @@ def run_shape(dtype, m, k, n, args, gen, l2_bytes) -> dict:
         row["semi_ms"] = time_ms(lambda i: F.linear(xs[i], sws[i]), copies, args.warmup, args.reps)
         row["semi_err"] = rel_err(F.linear(xs[0], sws[0]), ref)
         row["semi_backend"] = type(sws[0]).__name__
-    except Exception as e:  # a peer limitation is a result to report, not a crash
+    except PEER_ERRORS as e:  # a peer limitation is a result to report, not a crash
         row["semi_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
     try:
         cws = [torch._cslt_compress(w) for w in wts]
@@ -104,9 +107,30 @@ def run_shape(dtype, m, k, n, args, gen, l2_bytes) -> dict:
 
         row["cslt_ms"] = time_ms(cslt, copies, args.warmup, args.reps)
         row["cslt_err"] = rel_err(cslt(0), ref)
-    except Exception as e:
+    except PEER_ERRORS as e:
         row["cslt_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
     return row
+
+
+HEADER = (
+    f"{'dtype':<8} {'M':>6} {'K':>6} {'N':>6} | {'dense ms':>9} {'semi ms':>9} {'cslt ms':>9} "
+    f"| {'semi/dns':>8} {'cslt/dns':>8} | {'err dns':>8} {'err semi':>8} {'err cslt':>8}"
+)
+
+
+def format_row(r: dict) -> str:
+    def cell(key: str, spec: str) -> str:
+        return format(r[key], spec) if key in r else "n/a"
+
+    def ratio(key: str) -> str:
+        return f"{r['dense_ms'] / r[key]:.2f}x" if key in r else "n/a"
+
+    return (
+        f"{r['dtype']:<8} {r['M']:>6} {r['K']:>6} {r['N']:>6} | {r['dense_ms']:>9.4f} "
+        f"{cell('semi_ms', '>9.4f'):>9} {cell('cslt_ms', '>9.4f'):>9} | {ratio('semi_ms'):>8} "
+        f"{ratio('cslt_ms'):>8} | {r['dense_err']:>8.1e} {cell('semi_err', '>8.1e'):>8} "
+        f"{cell('cslt_err', '>8.1e'):>8}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -114,13 +138,11 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("gpu_peer_torch: no CUDA device visible to torch", file=sys.stderr)
         return 3
-    log = open(os.path.join(args.out, "gpu_peer_torch.log"), "w") if args.out else None
+    lines: list[str] = []
 
     def out(line: str = "") -> None:
         print(line, flush=True)
-        if log:
-            log.write(line + "\n")
-            log.flush()
+        lines.append(line)
 
     props = torch.cuda.get_device_properties(0)
     lt_version = getattr(getattr(torch.backends, "cusparselt", None), "version", lambda: None)()
@@ -139,16 +161,10 @@ def main(argv: list[str]) -> int:
         for m, k, n in shapes:
             rows.append(run_shape(dtypes[name], m, k, n, args, gen, l2_bytes))
             torch.cuda.empty_cache()
-    out(f"\n{'dtype':<8} {'M':>6} {'K':>6} {'N':>6} | {'dense ms':>9} {'semi ms':>9} {'cslt ms':>9} "
-        f"| {'semi/dns':>8} {'cslt/dns':>8} | {'err dns':>8} {'err semi':>8} {'err cslt':>8}")
+    out()
+    out(HEADER)
     for r in rows:
-        def cell(key: str, f: str) -> str:
-            return format(r[key], f) if key in r else "n/a"
-        ratio = lambda key: f"{r['dense_ms'] / r[key]:.2f}x" if key in r else "n/a"  # noqa: E731
-        out(f"{r['dtype']:<8} {r['M']:>6} {r['K']:>6} {r['N']:>6} | {r['dense_ms']:>9.4f} "
-            f"{cell('semi_ms', '>9.4f'):>9} {cell('cslt_ms', '>9.4f'):>9} | {ratio('semi_ms'):>8} "
-            f"{ratio('cslt_ms'):>8} | {r['dense_err']:>8.1e} {cell('semi_err', '>8.1e'):>8} "
-            f"{cell('cslt_err', '>8.1e'):>8}")
+        out(format_row(r))
         tol = 1e-2 if r["dtype"] == "bfloat16" else 2e-3
         for key in ("dense_err", "semi_err", "cslt_err"):
             if key in r and not r[key] < tol:
@@ -160,9 +176,21 @@ def main(argv: list[str]) -> int:
     backends = sorted({r["semi_backend"] for r in rows if "semi_backend" in r})
     out(f"ratios > 1: 2:4 faster than dense. semi backend: {', '.join(backends) or 'n/a'}")
     if args.out:
+        with open(os.path.join(args.out, "gpu_peer_torch.log"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        keys = [
+            "dtype",
+            "M",
+            "K",
+            "N",
+            "dense_ms",
+            "semi_ms",
+            "cslt_ms",
+            "dense_err",
+            "semi_err",
+            "cslt_err",
+        ]
         with open(os.path.join(args.out, "gpu_peer_torch.csv"), "w") as f:
-            keys = ["dtype", "M", "K", "N", "dense_ms", "semi_ms", "cslt_ms", "dense_err",
-                    "semi_err", "cslt_err"]
             f.write(",".join(keys) + "\n")
             for r in rows:
                 f.write(",".join(str(r.get(key, "")) for key in keys) + "\n")

@@ -28,12 +28,22 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUSPARSELT_SYMBOLS = [
-    "cusparseLtInit", "cusparseLtDestroy", "cusparseLtGetVersion", "cusparseLtDenseDescriptorInit",
-    "cusparseLtStructuredDescriptorInit", "cusparseLtMatDescriptorDestroy",
-    "cusparseLtMatmulDescriptorInit", "cusparseLtMatmulAlgSelectionInit",
-    "cusparseLtMatmulAlgSelectionDestroy", "cusparseLtMatmulAlgGetAttribute",
-    "cusparseLtMatmulGetWorkspace", "cusparseLtMatmulPlanInit", "cusparseLtMatmulPlanDestroy",
-    "cusparseLtMatmul", "cusparseLtMatmulSearch", "cusparseLtSpMMACompressedSize2",
+    "cusparseLtInit",
+    "cusparseLtDestroy",
+    "cusparseLtGetVersion",
+    "cusparseLtDenseDescriptorInit",
+    "cusparseLtStructuredDescriptorInit",
+    "cusparseLtMatDescriptorDestroy",
+    "cusparseLtMatmulDescriptorInit",
+    "cusparseLtMatmulAlgSelectionInit",
+    "cusparseLtMatmulAlgSelectionDestroy",
+    "cusparseLtMatmulAlgGetAttribute",
+    "cusparseLtMatmulGetWorkspace",
+    "cusparseLtMatmulPlanInit",
+    "cusparseLtMatmulPlanDestroy",
+    "cusparseLtMatmul",
+    "cusparseLtMatmulSearch",
+    "cusparseLtSpMMACompressedSize2",
     "cusparseLtSpMMACompress2",
 ]
 CUBLAS_SYMBOLS = ["cublasCreate_v2", "cublasSetStream_v2", "cublasGemmEx"]
@@ -44,7 +54,9 @@ def _load_setup_module(monkeypatch: pytest.MonkeyPatch):
     import setuptools
 
     monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
-    spec = importlib.util.spec_from_file_location("tf_sparse24_setup", os.path.join(ROOT, "setup.py"))
+    spec = importlib.util.spec_from_file_location(
+        "tf_sparse24_setup", os.path.join(ROOT, "setup.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -57,13 +69,15 @@ def nvcc() -> str:
         path = "/usr/local/cuda/bin/nvcc"
     if path is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("nvcc not found: CI must compile the GPU sources (install the CUDA toolkit)")
+            pytest.fail(
+                "nvcc not found: CI must compile the GPU sources (install the CUDA toolkit)"
+            )
         pytest.skip("nvcc not found; the GPU sources are compiled in CI (CI=true makes this fail)")
     return path
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kwargs)
+    return subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, **kwargs)
 
 
 def _source_key(commands: list[list[str]]) -> str:
@@ -98,9 +112,20 @@ def build(nvcc: str) -> dict:
     out = os.path.join(cache, key)
     jobs = setup.gpu_compile_jobs(flags, out, nvcc=nvcc)
     harness_obj = os.path.join(out, "gpu_check.o")
-    jobs.append(([nvcc, *setup.NVCC_FLAGS, f"-I{ROOT}", "-c",
-                  os.path.join(ROOT, "cc", "sparse24", "gpu_check.cu"), "-o", harness_obj],
-                 harness_obj))
+    jobs.append(
+        (
+            [
+                nvcc,
+                *setup.NVCC_FLAGS,
+                f"-I{ROOT}",
+                "-c",
+                os.path.join(ROOT, "cc", "sparse24", "gpu_check.cu"),
+                "-o",
+                harness_obj,
+            ],
+            harness_obj,
+        )
+    )
     objects = {os.path.basename(obj): obj for _, obj in jobs}
     harness = os.path.join(out, "gpu_check")
     with open(os.path.join(cache, "lock"), "w") as lock:
@@ -112,12 +137,23 @@ def build(nvcc: str) -> dict:
             os.makedirs(out)
             with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
                 results = list(pool.map(lambda job: (job, _run(job[0])), jobs))
-            failures = [f"{' '.join(job[0])}\n{r.stderr[-3000:]}" for job, r in results
-                        if r.returncode]
+            failures = [
+                f"{' '.join(job[0])}\n{r.stderr[-3000:]}" for job, r in results if r.returncode
+            ]
             assert not failures, "GPU sources failed to compile:\n" + "\n\n".join(failures)
             lib_objs = [o for name, o in objects.items() if name.startswith("cc_sparse24_")]
-            link = _run([nvcc, *setup.CUDA_ARCH_FLAGS, harness_obj, *lib_objs, "-o", harness,
-                         "-ldl", "-lpthread"])
+            link = _run(
+                [
+                    nvcc,
+                    *setup.CUDA_ARCH_FLAGS,
+                    harness_obj,
+                    *lib_objs,
+                    "-o",
+                    harness,
+                    "-ldl",
+                    "-lpthread",
+                ]
+            )
             assert link.returncode == 0, link.stderr[-3000:]
             open(os.path.join(out, "done"), "w").close()
     return {"setup": setup, "objects": objects, "harness": harness}
@@ -126,8 +162,13 @@ def build(nvcc: str) -> dict:
 def test_every_gpu_source_is_built_by_setup(build: dict) -> None:
     setup = build["setup"]
     sources = {os.path.relpath(s, ROOT) for s in setup.gpu_sources()}
-    on_disk = {os.path.relpath(s, ROOT) for s in glob.glob(os.path.join(ROOT, "cc", "tf", "*.cu.cc"))}
-    on_disk |= {os.path.relpath(s, ROOT) for s in glob.glob(os.path.join(ROOT, "cc", "sparse24", "gpu_*.cu"))}
+    on_disk = {
+        os.path.relpath(s, ROOT) for s in glob.glob(os.path.join(ROOT, "cc", "tf", "*.cu.cc"))
+    }
+    on_disk |= {
+        os.path.relpath(s, ROOT)
+        for s in glob.glob(os.path.join(ROOT, "cc", "sparse24", "gpu_*.cu"))
+    }
     on_disk.discard("cc/sparse24/gpu_check.cu")
     assert on_disk <= sources
     # The CPU build leaves the GPU-only glue out.
@@ -155,12 +196,23 @@ def test_gpu_objects_link_with_a_private_cuda_runtime(build: dict, tmp_path) -> 
     setup = build["setup"]
     lib = str(tmp_path / "gpu_only.so")
     objects = [o for name, o in build["objects"].items() if name != "gpu_check.o"]
-    link = _run(["g++", "-shared", *objects, "-o", lib, *setup.gpu_link_flags(),
-                 *tf.sysconfig.get_link_flags()])
+    link = _run(
+        [
+            "g++",
+            "-shared",
+            *objects,
+            "-o",
+            lib,
+            *setup.gpu_link_flags(),
+            *tf.sysconfig.get_link_flags(),
+        ]
+    )
     assert link.returncode == 0, link.stderr[-3000:]
     dynamic = _run(["nm", "-D", lib]).stdout.splitlines()
     assert not [line for line in dynamic if " cuda" in line], "cuda* symbols left to the loader"
-    assert any("Sparse24MatMulGpuOp" in line for line in _run(["nm", "-C", lib]).stdout.splitlines())
+    assert any(
+        "Sparse24MatMulGpuOp" in line for line in _run(["nm", "-C", lib]).stdout.splitlines()
+    )
 
 
 def _stub_library(directory, soname: str, symbols: list[str]) -> str:
@@ -185,13 +237,22 @@ def test_harness_loads_libraries_found_by_the_script(build: dict, tmp_path) -> N
     site = tmp_path / "site"  # laid out like the nvidia-cusparselt-cu13 / nvidia-cublas wheels
     lt = _stub_library(site / "nvidia" / "cu13" / "lib", "libcusparseLt.so.0", CUSPARSELT_SYMBOLS)
     cublas = _stub_library(site / "nvidia" / "cu13" / "lib", "libcublas.so.13", CUBLAS_SYMBOLS)
-    env = {**os.environ, "PYTHONPATH": str(site), "PYTHON": sys.executable,
-           "GPU_CHECK_BIN": build["harness"], "OUT": str(tmp_path / "out"), "CUDA_HOME": str(tmp_path)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(site),
+        "PYTHON": sys.executable,
+        "GPU_CHECK_BIN": build["harness"],
+        "OUT": str(tmp_path / "out"),
+        "CUDA_HOME": str(tmp_path),
+    }
     found = _run(["bash", "scripts/gpu_check.sh", "--find-only"], env=env, timeout=60)
     assert found.returncode == 0, found.stdout + found.stderr
     assert f"cusparselt: {lt}" in found.stdout and f"cublas: {cublas}" in found.stdout
-    dry = _run(["bash", "scripts/gpu_check.sh", "--dry-run", "--sizes", "8192", "--batches", "1,8"],
-               env=env, timeout=60)
+    dry = _run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--sizes", "8192", "--batches", "1,8"],
+        env=env,
+        timeout=60,
+    )
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert "sizes 8192;" in dry.stdout and "batches 1 8;" in dry.stdout
     assert f"cuBLAS: loaded {cublas}" in dry.stdout and "no GPU work done" in dry.stdout
@@ -203,7 +264,9 @@ def test_missing_cusparselt_says_what_to_install(build: dict, tmp_path) -> None:
     result = _harness(build, "--dry-run", "--cusparselt", str(tmp_path / "absent.so"))
     assert result.returncode == 3
     assert "pip install tf_sparse24[gpu]" in result.stdout
-    assert "nvidia-cusparselt-cu12" in result.stdout and str(tmp_path / "absent.so") in result.stdout
+    assert (
+        "nvidia-cusparselt-cu12" in result.stdout and str(tmp_path / "absent.so") in result.stdout
+    )
 
 
 def test_old_cusparselt_is_named(build: dict, tmp_path) -> None:
@@ -239,10 +302,21 @@ def _installed_cusparselt_header() -> str | None:
 def test_cusparselt_declarations_match_the_real_header(nvcc: str) -> None:
     header = _installed_cusparselt_header()
     if header is None:
-        pytest.skip("nvidia-cusparselt-cu12/-cu13 not installed (170-240 MB); "
-                    "scripts/gpu_check.sh runs this check where it is")
+        pytest.skip(
+            "nvidia-cusparselt-cu12/-cu13 not installed (170-240 MB); "
+            "scripts/gpu_check.sh runs this check where it is"
+        )
     cuda_include = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include")
-    result = _run(["g++", "-std=c++17", "-fsyntax-only", f"-I{ROOT}", f"-I{os.path.dirname(header)}",
-                   f"-I{cuda_include}", "-I/usr/local/cuda/include",
-                   "cc/sparse24/cusparselt_abi_check.cc"])
+    result = _run(
+        [
+            "g++",
+            "-std=c++17",
+            "-fsyntax-only",
+            f"-I{ROOT}",
+            f"-I{os.path.dirname(header)}",
+            f"-I{cuda_include}",
+            "-I/usr/local/cuda/include",
+            "cc/sparse24/cusparselt_abi_check.cc",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
