@@ -2,12 +2,12 @@
 
 import csv
 
+import keras
 import numpy as np
 import pytest
-import keras
+from test_masks import reference_mask
 
 import tf_sparse24 as ts
-from test_masks import reference_mask
 
 RNG = np.random.default_rng(2)
 X = RNG.normal(size=(64, 16)).astype("float32")
@@ -145,7 +145,7 @@ def test_callback_is_reusable_and_validates():
     for model in (first, second):
         compile_(model, "sgd")
         model.fit(X, Y, epochs=1, verbose=0, callbacks=[cb])
-    assert cb._layers == ts.pruned_layers(second)  # noqa: SLF001 - found the second model's layers
+    assert cb._layers == ts.pruned_layers(second)
     plain = keras.Sequential([keras.Input((16,)), keras.layers.Dense(2)])
     compile_(plain, "sgd")
     with pytest.raises(ValueError, match="has no Sparse24 layers"):

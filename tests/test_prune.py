@@ -1,11 +1,11 @@
 """prune / strip / report / pruned_layers on Sequential, Functional and subclassed models."""
 
+import keras
 import numpy as np
 import pytest
-import keras
+from test_masks import reference_mask
 
 import tf_sparse24 as ts
-from test_masks import reference_mask
 
 RNG = np.random.default_rng(1)
 X = RNG.normal(size=(4, 6, 8)).astype("float32")
@@ -146,6 +146,10 @@ def test_subclassed_model_prune_returns_masked_copy():
         if wrapper is model.hidden:
             h = np.maximum(h, 0)
     np.testing.assert_allclose(pruned(x), h, rtol=1e-5, atol=1e-6)
+    head_skipped = ts.prune(model, skip=[model.head])  # selection is kept in the copy
+    hidden, head = ts.pruned_layers(head_skipped)
+    assert hidden.pruned_weights[0].mask.numpy().mean() == 0.5
+    assert head.pruned_weights[0].mask.numpy().min() == 1.0
 
 
 class Plain(keras.Model):

@@ -1,9 +1,9 @@
 """The Sparse24 wrapper: masked forward, zero gradients, every supported layer, round trips."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 from tf_sparse24 import Sparse24, is_nm_sparse
 

@@ -14,7 +14,7 @@ in `Sparse24` with magnitude masks computed from the trained weights.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import keras
 import numpy as np
@@ -23,7 +23,7 @@ from tf_sparse24.masks import compute_mask, is_nm_sparse, parse_pattern
 from tf_sparse24.registry import eligible_weights, scan_layer
 from tf_sparse24.wrapper import Sparse24
 
-__all__ = ["prune", "strip", "report", "pruned_layers", "eligible_weights", "LayerReport"]
+__all__ = ["LayerReport", "eligible_weights", "prune", "pruned_layers", "report", "strip"]
 
 
 def _sublayers(layer) -> list:
@@ -86,7 +86,7 @@ def _check_selectors(model, selectors, arg: str) -> list:
 
 def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
     """Masks for every layer to prune, keyed by id(layer); validates everything first."""
-    n, m = parse_pattern(pattern)
+    m = parse_pattern(pattern)[1]
     layers = _check_selectors(model, layers, "layers")
     skip = _check_selectors(model, skip, "skip")
     plan = {}
@@ -120,6 +120,7 @@ def prune(
     layers: Iterable | None = None,
     skip: Iterable | None = None,
     method: str = "magnitude",
+    wrapper: Callable[..., Sparse24] = Sparse24,
 ) -> keras.Model:
     """Returns a copy of a trained `model` with N:M magnitude masks on every prunable layer.
 
@@ -131,6 +132,9 @@ def prune(
         layers: only prune these (layer names, layer objects or layer classes).
         skip: never prune these (same forms).
         method: mask method, a key of `tf_sparse24.masks.MASK_METHODS`.
+        wrapper: the wrapper class (Sequential/Functional models), `Sparse24` or a subclass such as
+            `tf_sparse24.SRSTE`, or a callable `(layer, pattern, weights) -> Sparse24` (e.g.
+            `functools.partial(SRSTE, decay=1e-4)`). Subclassed models keep their own wrappers.
 
     Returns:
         A new keras.Model.
@@ -144,21 +148,36 @@ def prune(
         >>> pruned.compile("adam", "sparse_categorical_crossentropy")
     """
     _check_model(model, "prune")
+    if not callable(wrapper) or (isinstance(wrapper, type) and not issubclass(wrapper, Sparse24)):
+        raise TypeError(f"prune(): wrapper must be a Sparse24 subclass or a callable returning one. Received: wrapper={wrapper!r}")
+    if not (isinstance(model, keras.Sequential) or _is_functional(model)):
+        return _prune_subclassed(model, pattern, layers, skip, method)
     plan = _plan(model, pattern, layers, skip, method)
-    if isinstance(model, (keras.Sequential,)) or _is_functional(model):
 
-        def clone(layer):
-            new = _copy_layer(layer)
-            if id(layer) not in plan:
-                return new
-            wrapper = Sparse24(new, pattern, {p: a for p, (a, _) in plan[id(layer)].items()})
-            wrapper.build()
-            for pw in wrapper.pruned_weights:
-                pw.mask.assign(plan[id(layer)][pw.name][1])
-            return wrapper
+    def clone(layer):
+        new = _copy_layer(layer)
+        if id(layer) not in plan:
+            return new
+        wrapped = wrapper(new, pattern, {p: a for p, (a, _) in plan[id(layer)].items()})
+        if not isinstance(wrapped, Sparse24):
+            raise TypeError(f"prune(): wrapper returned {type(wrapped).__name__}, not a Sparse24.")
+        wrapped.build()
+        for pw in wrapped.pruned_weights:
+            pw.mask.assign(plan[id(layer)][pw.name][1])
+        return wrapped
 
-        return keras.models.clone_model(model, clone_function=clone, recursive=True)
+    return keras.models.clone_model(model, clone_function=clone, recursive=True)
 
+
+def _prune_subclassed(model, pattern: str, layers, skip, method: str) -> keras.Model:
+    """Copies a subclassed model and sets magnitude masks in its (selected) Sparse24 layers.
+
+    The wrappers keep their own pattern. Masks are matched by position, since a copy made from
+    the config gets fresh layer names.
+    """
+    parse_pattern(pattern)
+    layers = _check_selectors(model, layers, "layers")
+    skip = _check_selectors(model, skip, "skip")
     wrappers = pruned_layers(model)
     if not wrappers:
         raise ValueError(
@@ -166,17 +185,17 @@ def prune(
             "layers. Wrap its prunable layers with tf_sparse24.Sparse24 in __init__ (see "
             "docs/USAGE.md), or build it as a Sequential/Functional model."
         )
-    masks = [
-        [compute_mask(pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path) for pw in w.pruned_weights]
-        for w in wrappers
-        if (not layers or _matches(w, layers)) and not _matches(w, skip or [])
-    ]
+    masks = {
+        i: [
+            compute_mask(pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path)
+            for pw in w.pruned_weights
+        ]
+        for i, w in enumerate(wrappers)
+        if (not layers or _matches(w, layers)) and not _matches(w, skip)
+    }
     copy = _copy_model(model)
-    selected = [
-        w for w in pruned_layers(copy) if (not layers or _matches(w, layers)) and not _matches(w, skip or [])
-    ]
-    for wrapper, wrapper_masks in zip(selected, masks):
-        for pw, mask in zip(wrapper.pruned_weights, wrapper_masks):
+    for i, copied in enumerate(pruned_layers(copy)):
+        for pw, mask in zip(copied.pruned_weights, masks.get(i, [])):
             pw.mask.assign(mask)
     return copy
 
@@ -189,7 +208,7 @@ def _is_functional(model) -> bool:
 def _copy_model(model: keras.Model) -> keras.Model:
     try:
         copy = model.__class__.from_config(model.get_config())
-    except Exception as err:  # noqa: BLE001 - any failure means "not copyable"; say how to fix
+    except Exception as err:
         raise TypeError(
             f"Cannot copy subclassed model {model.name!r} ({type(model).__name__}) with "
             f"get_config()/from_config(): {err}. Implement get_config(), or prune in place with "
@@ -297,6 +316,6 @@ def format_report(rows: list[LayerReport]) -> str:
          "yes" if all(r.valid for r in pruned) else "NO", "")
     )
     widths = [max(len(str(x[i])) for x in [header, *lines]) for i in range(len(header))]
-    fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+    fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
     rule = "-" * len(fmt(header))
     return "\n".join([fmt(header), rule, *map(fmt, lines[:-1]), rule, fmt(lines[-1])])
