@@ -15,7 +15,7 @@ magnitudes the element with the lower index along the grouping axis ranks higher
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
