@@ -22,17 +22,27 @@ from tf_sparse24.masks import compute_mask
 
 def mlp() -> keras.Model:
     return keras.Sequential(
-        [keras.Input((784,)), keras.layers.Dense(1024, activation="relu"),
-         keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(16)]
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(16),
+        ]
     )
 
 
 def cnn() -> keras.Model:
     return keras.Sequential(
-        [keras.Input((28, 28, 1)), keras.layers.Conv2D(16, 3, activation="relu"),
-         keras.layers.MaxPooling2D(), keras.layers.Conv2D(32, 3, activation="relu"),
-         keras.layers.MaxPooling2D(), keras.layers.Flatten(),
-         keras.layers.Dense(64, activation="relu"), keras.layers.Dense(16)]
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(16),
+        ]
     )
 
 
@@ -51,7 +61,8 @@ MODELS = {  # name -> (factory, input shape, batch size)
 
 def _compile(model: keras.Model) -> keras.Model:
     model.compile(
-        keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        keras.optimizers.Adam(1e-4),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     return model
 
@@ -63,16 +74,24 @@ def step_time(model: keras.Model, x, y, batch: int, callbacks) -> tuple[float, f
     sharing the machine.
     """
     wall, cpu = time.perf_counter(), time.process_time()
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+    model.fit(
+        x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=callbacks
+    )
     steps = len(x) // batch
     return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
 
 def bench_training(repeats: int, steps: int) -> None:
-    print(f"Training step time (median of {repeats} interleaved runs of {steps} steps, Adam), ms;")
-    print("ratio = masked / dense, from wall time and from process CPU time (robust to machine load)")
-    print(f"{'model':<22}{'dense':>8}{'masked':>8}{'+cb':>8}{'wall ratio':>12}{'+cb':>7}"
-          f"{'CPU ratio':>11}{'+cb':>7}")
+    print(
+        f"Training step time (median of {repeats} interleaved runs of {steps} steps, Adam), ms;"
+    )
+    print(
+        "ratio = masked / dense, from wall time and from process CPU time (robust to machine load)"
+    )
+    print(
+        f"{'model':<22}{'dense':>8}{'masked':>8}{'+cb':>8}{'wall ratio':>12}{'+cb':>7}"
+        f"{'CPU ratio':>11}{'+cb':>7}"
+    )
     rng = np.random.default_rng(0)
     for name, (factory, shape, batch) in MODELS.items():
         keras.utils.set_random_seed(0)
@@ -82,17 +101,27 @@ def bench_training(repeats: int, steps: int) -> None:
         masked = _compile(tf_sparse24.prune(dense))
         with_cb = _compile(tf_sparse24.prune(dense))
         runs = {"dense": [], "masked": [], "cb": []}
-        variants = [("dense", dense, []), ("masked", masked, []),
-                    ("cb", with_cb, [tf_sparse24.Sparse24Callback()])]
+        variants = [
+            ("dense", dense, []),
+            ("masked", masked, []),
+            ("cb", with_cb, [tf_sparse24.Sparse24Callback()]),
+        ]
         for key, model, cbs in variants:  # warm-up: trace and compile
             step_time(model, x[: 2 * batch], y[: 2 * batch], batch, cbs)
         for _ in range(repeats):
             for key, model, cbs in variants:
                 runs[key].append(step_time(model, x, y, batch, cbs))
-        d, m, c = (statistics.median(r[0] for r in runs[k]) * 1e3 for k in ("dense", "masked", "cb"))
-        dc, mc, cc = (statistics.median(r[1] for r in runs[k]) for k in ("dense", "masked", "cb"))
-        print(f"{name:<22}{d:>8.1f}{m:>8.1f}{c:>8.1f}{m / d:>12.2f}{c / d:>7.2f}"
-              f"{mc / dc:>11.2f}{cc / dc:>7.2f}")
+        d, m, c = (
+            statistics.median(r[0] for r in runs[k]) * 1e3
+            for k in ("dense", "masked", "cb")
+        )
+        dc, mc, cc = (
+            statistics.median(r[1] for r in runs[k]) for k in ("dense", "masked", "cb")
+        )
+        print(
+            f"{name:<22}{d:>8.1f}{m:>8.1f}{c:>8.1f}{m / d:>12.2f}{c / d:>7.2f}"
+            f"{mc / dc:>11.2f}{cc / dc:>7.2f}"
+        )
 
 
 def bench_masks(elements: float, repeats: int) -> None:
@@ -112,10 +141,14 @@ def bench_masks(elements: float, repeats: int) -> None:
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu)
     t, c = statistics.median(times), statistics.median(cpu_times)
-    print(f"\n2:4 mask computation: {len(kernels)} kernels, {total / 1e6:.1f}M elements (fp32), "
-          f"{repeats} runs")
-    print(f"wall: median {t:.2f} s (min {min(times):.2f} s) = {total / t / 1e6:.0f}M elements/s; "
-          f"CPU: median {c:.2f} s over all threads")
+    print(
+        f"\n2:4 mask computation: {len(kernels)} kernels, {total / 1e6:.1f}M elements (fp32), "
+        f"{repeats} runs"
+    )
+    print(
+        f"wall: median {t:.2f} s (min {min(times):.2f} s) = {total / t / 1e6:.0f}M elements/s; "
+        f"CPU: median {c:.2f} s over all threads"
+    )
 
 
 def main(argv=None) -> None:

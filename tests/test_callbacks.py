@@ -17,8 +17,12 @@ Y = (X[:, :4].sum(axis=1) > 0).astype("int32")
 def pruned_mlp(seed=0):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential(
-        [keras.Input((16,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(8),
-         keras.layers.Dense(2)]
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(8),
+            keras.layers.Dense(2),
+        ]
     )
     return ts.prune(model)
 
@@ -26,12 +30,18 @@ def pruned_mlp(seed=0):
 def compile_(model, optimizer, eager=True):
     """Eager keeps these tests fast; the optimizer tests below also run the compiled train step."""
     model.compile(
-        optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=eager
+        optimizer,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        run_eagerly=eager,
     )
 
 
 def masks(model):
-    return [pw.mask.numpy().copy() for layer in ts.pruned_layers(model) for pw in layer.pruned_weights]
+    return [
+        pw.mask.numpy().copy()
+        for layer in ts.pruned_layers(model)
+        for pw in layer.pruned_weights
+    ]
 
 
 @pytest.mark.parametrize(
@@ -49,7 +59,11 @@ def test_fit_keeps_exact_24_and_logs(optimizer, tmp_path):
     before = masks(model)
     log = tmp_path / "log.csv"
     history = model.fit(
-        X, Y, batch_size=16, epochs=2, verbose=0,
+        X,
+        Y,
+        batch_size=16,
+        epochs=2,
+        verbose=0,
         callbacks=[ts.Sparse24Callback(), keras.callbacks.CSVLogger(str(log))],
     )
     assert history.history["sparsity"] == [0.5, 0.5]
@@ -62,7 +76,9 @@ def test_fit_keeps_exact_24_and_logs(optimizer, tmp_path):
         for pw in layer.pruned_weights:
             effective = np.asarray(layer.effective_weight(pw))
             assert ts.is_nm_sparse(effective, "2:4", 0)
-            assert np.count_nonzero(effective) == effective.size // 2  # kept weights stay non-zero
+            assert (
+                np.count_nonzero(effective) == effective.size // 2
+            )  # kept weights stay non-zero
 
 
 class Recorder(keras.callbacks.Callback):
@@ -88,8 +104,15 @@ def test_dense_warmup_then_masks_at_start_step_then_periodic_updates():
     compile_(model, keras.optimizers.Adam(0.05))
     recorder = Recorder()
     cb = ts.Sparse24Callback(start_step=5, update_every=3)
-    history = model.fit(X, Y, batch_size=16, epochs=4, verbose=0, callbacks=[cb, recorder])
-    assert history.history["sparse24_valid"] == [0.0, 1.0, 1.0, 1.0]  # 4 steps/epoch: dense in epoch 0
+    history = model.fit(
+        X, Y, batch_size=16, epochs=4, verbose=0, callbacks=[cb, recorder]
+    )
+    assert history.history["sparse24_valid"] == [
+        0.0,
+        1.0,
+        1.0,
+        1.0,
+    ]  # 4 steps/epoch: dense in epoch 0
     assert history.history["sparsity"][0] == 0.0
     previous = None
     for step, weights, step_masks in recorder.snapshots:
@@ -97,30 +120,51 @@ def test_dense_warmup_then_masks_at_start_step_then_periodic_updates():
             assert all(m.min() == 1.0 for m in step_masks), step
         elif step == 5 or (step - 5) % 3 == 0:
             for w, m in zip(weights, step_masks):
-                np.testing.assert_array_equal(m.astype(bool), reference_mask(w, 2, 4, 0))
+                np.testing.assert_array_equal(
+                    m.astype(bool), reference_mask(w, 2, 4, 0)
+                )
         else:
             for m, p in zip(step_masks, previous):
                 np.testing.assert_array_equal(m, p)
         previous = step_masks
     changed = [
-        any(not np.array_equal(a, b) for a, b in zip(recorder.snapshots[i][2], recorder.snapshots[i - 3][2]))
+        any(
+            not np.array_equal(a, b)
+            for a, b in zip(recorder.snapshots[i][2], recorder.snapshots[i - 3][2])
+        )
         for i in (8, 11, 14)
     ]
-    assert any(changed)  # recomputation can move masks (pruned weights keep their values)
+    assert any(
+        changed
+    )  # recomputation can move masks (pruned weights keep their values)
 
 
 @pytest.mark.parametrize("keep_optimizer", [True, False])
 def test_resume_with_initial_epoch_does_not_recompute(keep_optimizer):
     model = pruned_mlp()
     compile_(model, keras.optimizers.Adam(0.05))
-    model.fit(X, Y, batch_size=32, epochs=2, verbose=0, callbacks=[ts.Sparse24Callback(start_step=2)])
+    model.fit(
+        X,
+        Y,
+        batch_size=32,
+        epochs=2,
+        verbose=0,
+        callbacks=[ts.Sparse24Callback(start_step=2)],
+    )
     after_first = masks(model)
     assert all(m.mean() == 0.5 for m in after_first)
-    if not keep_optimizer:  # e.g. weights restored from .weights.h5: optimizer.iterations is 0
+    if (
+        not keep_optimizer
+    ):  # e.g. weights restored from .weights.h5: optimizer.iterations is 0
         compile_(model, keras.optimizers.Adam(0.05))
     recorder = Recorder()
     history = model.fit(
-        X, Y, batch_size=32, epochs=4, initial_epoch=2, verbose=0,
+        X,
+        Y,
+        batch_size=32,
+        epochs=4,
+        initial_epoch=2,
+        verbose=0,
         callbacks=[ts.Sparse24Callback(start_step=2), recorder],
     )
     assert history.history["sparse24_valid"] == [1.0, 1.0]
@@ -133,14 +177,21 @@ def test_broken_invariant_fails_loudly_with_layer_name():
     model = pruned_mlp()
     compile_(model, "sgd")
     wrapper = ts.pruned_layers(model)[1]
-    wrapper.pruned_weights[0].mask.assign(np.ones(wrapper.pruned_weights[0].mask.shape, "float32"))
-    with pytest.raises(RuntimeError, match=rf"{wrapper.name}/kernel \(16, 8\) is not 2:4"):
+    wrapper.pruned_weights[0].mask.assign(
+        np.ones(wrapper.pruned_weights[0].mask.shape, "float32")
+    )
+    with pytest.raises(
+        RuntimeError, match=rf"{wrapper.name}/kernel \(16, 8\) is not 2:4"
+    ):
         model.fit(X, Y, epochs=1, verbose=0, callbacks=[ts.Sparse24Callback()])
 
 
 def test_callback_is_reusable_and_validates():
     cb = ts.Sparse24Callback()
-    first, second = pruned_mlp(0), keras.Sequential([keras.Input((16,)), ts.Sparse24(keras.layers.Dense(4))])
+    first, second = (
+        pruned_mlp(0),
+        keras.Sequential([keras.Input((16,)), ts.Sparse24(keras.layers.Dense(4))]),
+    )
     second.layers[0].update_masks()
     for model in (first, second):
         compile_(model, "sgd")

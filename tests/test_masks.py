@@ -99,7 +99,10 @@ def test_axis_not_multiple_of_m():
 
 
 def test_unknown_method_lists_valid_names():
-    with pytest.raises(ValueError, match=r"Expected one of \[.*'magnitude'.*\]. Received: method='random'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Expected one of \[.*'magnitude'.*\]. Received: method='random'",
+    ):
         compute_mask(np.ones((4, 4), np.float32), method="random")
 
 
@@ -110,7 +113,9 @@ def test_registry_accepts_new_method():
 
     MASK_METHODS["first"] = keep_first
     try:
-        mask = compute_mask(np.arange(8, dtype=np.float32).reshape(8, 1), method="first")
+        mask = compute_mask(
+            np.arange(8, dtype=np.float32).reshape(8, 1), method="first"
+        )
     finally:
         del MASK_METHODS["first"]
     np.testing.assert_array_equal(mask.numpy().ravel(), [1, 1, 0, 0, 1, 1, 0, 0])

@@ -14,7 +14,9 @@ X = RNG.normal(size=(4, 6, 8)).astype("float32")
 def functional_model():
     """Nested model, a shared layer, MHA, conv, LSTM, and an output layer too narrow to prune."""
     sub_in = keras.Input((6, 8))
-    sub = keras.Model(sub_in, keras.layers.Dense(8, name="sub_dense")(sub_in), name="sub")
+    sub = keras.Model(
+        sub_in, keras.layers.Dense(8, name="sub_dense")(sub_in), name="sub"
+    )
     shared = keras.layers.Dense(8, name="shared")
     inp = keras.Input((6, 8))
     h = shared(shared(sub(inp)))
@@ -48,7 +50,12 @@ def masked_copy(model, axes):
 FUNCTIONAL_AXES = {
     "sub_dense": {"kernel": 0},
     "shared": {"kernel": 0},
-    "mha": {"query/kernel": 0, "key/kernel": 0, "value/kernel": 0, "attention_output/kernel": 1},
+    "mha": {
+        "query/kernel": 0,
+        "key/kernel": 0,
+        "value/kernel": 0,
+        "attention_output/kernel": 1,
+    },
     "conv": {"kernel": 1},
     "lstm": {"lstm_cell/kernel": 0, "lstm_cell/recurrent_kernel": 0},
     "narrow": {"kernel": 0},
@@ -66,14 +73,18 @@ def test_functional_prune_is_a_new_model_equal_to_masked_original():
     reference = masked_copy(model, FUNCTIONAL_AXES)
     np.testing.assert_allclose(pruned(X), reference(X), rtol=1e-5, atol=1e-6)
     # The shared layer stays one layer (one set of weights and masks).
-    shared = [layer for layer in ts.pruned_layers(pruned) if layer.layer.name == "shared"]
+    shared = [
+        layer for layer in ts.pruned_layers(pruned) if layer.layer.name == "shared"
+    ]
     assert len(shared) == 1 and len(shared[0].pruned_weights) == 1
 
 
 def test_strip_gives_plain_model_with_exact_24_weights():
     pruned = ts.prune(functional_model())
     pruned.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", run_eagerly=True)
-    pruned.fit(X, np.ones((4, 2), "float32"), epochs=2, verbose=0)  # variables drift; masks hold
+    pruned.fit(
+        X, np.ones((4, 2), "float32"), epochs=2, verbose=0
+    )  # variables drift; masks hold
     stripped = ts.strip(pruned)
     flat = all_layers(stripped)
     assert not any(isinstance(layer, ts.Sparse24) for layer in flat)
@@ -87,12 +98,20 @@ def test_strip_gives_plain_model_with_exact_24_weights():
 
 def test_sequential_layers_and_skip_selection():
     model = keras.Sequential(
-        [keras.Input((16,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(8, name="b"),
-         keras.layers.Dense(4, name="c")]
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(8, name="a"),
+            keras.layers.Dense(8, name="b"),
+            keras.layers.Dense(4, name="c"),
+        ]
     )
     assert [l.layer.name for l in ts.pruned_layers(ts.prune(model))] == ["a", "b", "c"]
-    assert [l.layer.name for l in ts.pruned_layers(ts.prune(model, layers=["b"]))] == ["b"]
-    assert [l.layer.name for l in ts.pruned_layers(ts.prune(model, skip=["a", "c"]))] == ["b"]
+    assert [l.layer.name for l in ts.pruned_layers(ts.prune(model, layers=["b"]))] == [
+        "b"
+    ]
+    assert [
+        l.layer.name for l in ts.pruned_layers(ts.prune(model, skip=["a", "c"]))
+    ] == ["b"]
     pruned = ts.prune(model, "1:4", skip=[model.get_layer("a")])
     np.testing.assert_allclose(
         pruned(X[:, 0].repeat(2, axis=1)),
@@ -137,7 +156,11 @@ def test_subclassed_model_prune_returns_masked_copy():
     dense_out = np.asarray(model(x))  # masks of ones: the model is dense
     pruned = ts.prune(model)
     assert pruned is not model
-    assert all(float(np.mean(pw.mask.numpy())) == 1.0 for l in ts.pruned_layers(model) for pw in l.pruned_weights)
+    assert all(
+        float(np.mean(pw.mask.numpy())) == 1.0
+        for l in ts.pruned_layers(model)
+        for pw in l.pruned_weights
+    )
     np.testing.assert_allclose(model(x), dense_out)
     h = x.astype(np.float64)
     for wrapper in (model.hidden, model.head):
@@ -189,14 +212,19 @@ def test_bad_inputs_raise_before_any_change():
 def test_report_rows_and_table():
     model = functional_model()
     depthwise_in = keras.Input((5, 5, 8))
-    depthwise = keras.Model(depthwise_in, keras.layers.DepthwiseConv2D(3, name="dw")(depthwise_in))
+    depthwise = keras.Model(
+        depthwise_in, keras.layers.DepthwiseConv2D(3, name="dw")(depthwise_in)
+    )
     lines = []
     rows = ts.report(ts.prune(model), print_fn=lines.append)
     by_name = {r.layer: r for r in rows}
     assert by_name["sparse24_lstm"].status == "pruned"
     assert by_name["sparse24_lstm"].params == 8 * 32 + 8 * 32
     assert by_name["sparse24_lstm"].density == 0.5 and by_name["sparse24_lstm"].valid
-    assert by_name["out"].status == "skipped" and "(3, 2): axis 0 size 3" in by_name["out"].reason
+    assert (
+        by_name["out"].status == "skipped"
+        and "(3, 2): axis 0 size 3" in by_name["out"].reason
+    )
     table = lines[0]
     assert "sparse24_mha" in table and "total pruned" in table and "6 layers" in table
     (dw_row,) = ts.report(depthwise, print_fn=None)
@@ -208,6 +236,8 @@ def test_eligible_weights():
     conv.build((None, 5, 5, 8))
     ((path, var, axis),) = ts.eligible_weights(conv)
     assert (path, axis) == ("kernel", 2) and var is conv.kernel
-    einsum = keras.layers.EinsumDense("abc,dc->abd", output_shape=(None, 4))  # kernel [d, c]
+    einsum = keras.layers.EinsumDense(
+        "abc,dc->abd", output_shape=(None, 4)
+    )  # kernel [d, c]
     einsum.build((None, 6, 8))
     assert ts.eligible_weights(einsum) == []

@@ -16,21 +16,40 @@ VOL = RNG.normal(size=(2, 4, 4, 4, 8)).astype("float32")
 CASES = {
     "dense": (lambda: keras.layers.Dense(6), (SEQ,), {"kernel": 0}),
     "einsum": (
-        lambda: keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 4), bias_axes="d"),
+        lambda: keras.layers.EinsumDense(
+            "abc,cd->abd", output_shape=(None, 4), bias_axes="d"
+        ),
         (SEQ,),
         {"kernel": 0},
     ),
     "conv1d": (lambda: keras.layers.Conv1D(4, 3), (SEQ,), {"kernel": 1}),
     "conv2d": (lambda: keras.layers.Conv2D(4, 3), (IMG,), {"kernel": 2}),
     "conv3d": (lambda: keras.layers.Conv3D(4, 2), (VOL,), {"kernel": 3}),
-    "separable": (lambda: keras.layers.SeparableConv2D(4, 3), (IMG,), {"pointwise_kernel": 2}),
+    "separable": (
+        lambda: keras.layers.SeparableConv2D(4, 3),
+        (IMG,),
+        {"pointwise_kernel": 2},
+    ),
     "mha": (
         lambda: keras.layers.MultiHeadAttention(2, 4),
         (SEQ, SEQ),
-        {"query/kernel": 0, "key/kernel": 0, "value/kernel": 0, "attention_output/kernel": 1},
+        {
+            "query/kernel": 0,
+            "key/kernel": 0,
+            "value/kernel": 0,
+            "attention_output/kernel": 1,
+        },
     ),
-    "lstm": (lambda: keras.layers.LSTM(8), (SEQ,), {"lstm_cell/kernel": 0, "lstm_cell/recurrent_kernel": 0}),
-    "gru": (lambda: keras.layers.GRU(4), (SEQ,), {"gru_cell/kernel": 0, "gru_cell/recurrent_kernel": 0}),
+    "lstm": (
+        lambda: keras.layers.LSTM(8),
+        (SEQ,),
+        {"lstm_cell/kernel": 0, "lstm_cell/recurrent_kernel": 0},
+    ),
+    "gru": (
+        lambda: keras.layers.GRU(4),
+        (SEQ,),
+        {"gru_cell/kernel": 0, "gru_cell/recurrent_kernel": 0},
+    ),
     "simple_rnn": (
         lambda: keras.layers.SimpleRNN(4),
         (SEQ,),
@@ -57,14 +76,18 @@ def test_layer_forward_and_gradients_are_masked(case):
     layer = make()
     dense_out = np.asarray(layer(*inputs))
     wrapper = Sparse24(layer)
-    np.testing.assert_allclose(wrapper(*inputs), dense_out, rtol=1e-6, atol=1e-6)  # ones masks
+    np.testing.assert_allclose(
+        wrapper(*inputs), dense_out, rtol=1e-6, atol=1e-6
+    )  # ones masks
     assert {pw.name: pw.axis for pw in wrapper.pruned_weights} == expected
     wrapper.update_masks()
     for pw in wrapper.pruned_weights:
         assert float(tf.reduce_mean(pw.mask)) == 0.5
         assert is_nm_sparse(wrapper.effective_weight(pw), "2:4", pw.axis)
     out = np.asarray(wrapper(*inputs))
-    np.testing.assert_allclose(out, masked_reference(wrapper, *inputs), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        out, masked_reference(wrapper, *inputs), rtol=1e-5, atol=1e-6
+    )
     assert np.abs(out - dense_out).max() > 1e-3  # the masks really changed the output
 
     variables = [pw.variable for pw in wrapper.pruned_weights]
@@ -91,7 +114,9 @@ def test_mha_fit_under_jit_updates_real_variables_and_keeps_24():
     assert not np.array_equal(seed.numpy(), seed_before)  # dropout RNG advances
     for pw, old in zip(h.pruned_weights, before):
         new, mask = pw.variable.numpy(), pw.mask.numpy()
-        assert np.array_equal(new[mask == 0], old[mask == 0])  # zero gradient, no momentum
+        assert np.array_equal(
+            new[mask == 0], old[mask == 0]
+        )  # zero gradient, no momentum
         assert not np.array_equal(new[mask == 1], old[mask == 1])  # kept weights train
         assert is_nm_sparse(new * mask, "2:4", pw.axis)
 
@@ -131,7 +156,9 @@ def test_bad_specs_name_the_layer():
         Sparse24(dense)(np.ones((1, 6), "float32"))
     dense8 = keras.layers.Dense(4, name="d8")
     dense8(np.ones((1, 8), "float32"))
-    with pytest.raises(ValueError, match=r"'d8' has no variable 'kernal'.*'bias', 'kernel'"):
+    with pytest.raises(
+        ValueError, match=r"'d8' has no variable 'kernal'.*'bias', 'kernel'"
+    ):
         Sparse24(dense8, weights={"kernal": 0})(np.ones((1, 8), "float32"))
     with pytest.raises(ValueError, match="Received: pattern='2/4'"):
         Sparse24(dense8, pattern="2/4")
@@ -161,15 +188,24 @@ def _reset_masks(model):
 
 
 def _masks(model):
-    return [pw.mask.numpy() for layer in model.layers if isinstance(layer, Sparse24) for pw in layer.pruned_weights]
+    return [
+        pw.mask.numpy()
+        for layer in model.layers
+        if isinstance(layer, Sparse24)
+        for pw in layer.pruned_weights
+    ]
 
 
 def test_keras_file_round_trip(tmp_path):
     model = _masked_model()
     path = str(tmp_path / "m.keras")
     model.save(path)
-    loaded = keras.models.load_model(path)  # registered as tf_sparse24>Sparse24: no custom_objects
-    assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in model.layers]
+    loaded = keras.models.load_model(
+        path
+    )  # registered as tf_sparse24>Sparse24: no custom_objects
+    assert [type(layer).__name__ for layer in loaded.layers] == [
+        type(layer).__name__ for layer in model.layers
+    ]
     assert loaded.layers[1].pattern == "1:4"
     for a, b in zip(_masks(model), _masks(loaded)):
         np.testing.assert_array_equal(a, b)
@@ -188,14 +224,21 @@ def test_weights_h5_and_checkpoint_round_trips(tmp_path):
 
     _reset_masks(model)
     tf.train.Checkpoint(model=model).restore(prefix).assert_existing_objects_matched()
-    assert all(float(tf.reduce_mean(m)) == (0.25 if i < 4 else 0.5) for i, m in enumerate(_masks(model)))
+    assert all(
+        float(tf.reduce_mean(m)) == (0.25 if i < 4 else 0.5)
+        for i, m in enumerate(_masks(model))
+    )
     np.testing.assert_allclose(model(SEQ), expected, atol=1e-6)
 
 
 def test_keras_sequence_masks_pass_through_wrappers():
     tokens = np.array([[3, 4, 0, 0, 0], [1, 2, 3, 0, 0]])
     emb = keras.layers.Embedding(10, 8, mask_zero=True)
-    dense, lstm, last = keras.layers.Dense(8), keras.layers.LSTM(8, return_sequences=True), keras.layers.LSTM(4)
+    dense, lstm, last = (
+        keras.layers.Dense(8),
+        keras.layers.LSTM(8, return_sequences=True),
+        keras.layers.LSTM(4),
+    )
 
     def build(wrap):
         inp = keras.Input((None,), dtype="int32")
@@ -206,4 +249,8 @@ def test_keras_sequence_masks_pass_through_wrappers():
     np.testing.assert_allclose(wrapped(tokens), reference(tokens), atol=1e-6)
     out = np.asarray(wrapped(tokens))
     for row, length in ((0, 2), (1, 3)):  # masking padded steps == truncating them
-        np.testing.assert_allclose(out[row], np.asarray(reference(tokens[row:row + 1, :length]))[0], atol=1e-5)
+        np.testing.assert_allclose(
+            out[row],
+            np.asarray(reference(tokens[row : row + 1, :length]))[0],
+            atol=1e-5,
+        )

@@ -46,9 +46,14 @@ class Sparse24Callback(keras.callbacks.Callback):
         check: bool = True,
     ):
         super().__init__()
-        for name, value in (("start_step", start_step), ("update_every", update_every)):
-            if value is not None and (not isinstance(value, int) or value < (name == "update_every")):
-                raise ValueError(f"{name} must be None or an int >= {int(name == 'update_every')}. Received: {name}={value!r}")
+        for name, value, low in (
+            ("start_step", start_step, 0),
+            ("update_every", update_every, 1),
+        ):
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise ValueError(
+                    f"{name} must be None or an int >= {low}. Received: {name}={value!r}"
+                )
         self.start_step = start_step
         self.update_every = update_every
         self.method = method
@@ -69,7 +74,9 @@ class Sparse24Callback(keras.callbacks.Callback):
         if self._step is None:  # first epoch of this fit(): find where training resumes
             steps = (self.params or {}).get("steps") or 0
             # .numpy(): under tf.distribute `iterations` is a MirroredVariable; int() rejects it.
-            self._step = max(int(self.model.optimizer.iterations.numpy()), epoch * steps)
+            self._step = max(
+                int(self.model.optimizer.iterations.numpy()), epoch * steps
+            )
             if self.start_step is not None and self._step < self.start_step:
                 for layer in self._layers:
                     for pw in layer.pruned_weights:
@@ -78,7 +85,9 @@ class Sparse24Callback(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         step, start = self._step, self.start_step or 0
         due = step == self.start_step or (
-            self.update_every and step > start and (step - start) % self.update_every == 0
+            self.update_every
+            and step > start
+            and (step - start) % self.update_every == 0
         )
         if due:
             for layer in self._layers:

@@ -41,7 +41,9 @@ def parse_pattern(pattern: str) -> tuple[int, int]:
         )
     n, m = int(match.group(1)), int(match.group(2))
     if not 0 < n < m:
-        raise ValueError(f"Expected a pattern N:M with 0 < N < M. Received: pattern={pattern!r}")
+        raise ValueError(
+            f"Expected a pattern N:M with 0 < N < M. Received: pattern={pattern!r}"
+        )
     return n, m
 
 
@@ -66,7 +68,9 @@ def magnitude_mask(groups: tf.Tensor, n: int) -> tf.Tensor:
     return tf.stack([count < n for count in beaten_by], axis=1)
 
 
-MASK_METHODS: dict[str, Callable[[tf.Tensor, int], tf.Tensor]] = {"magnitude": magnitude_mask}
+MASK_METHODS: dict[str, Callable[[tf.Tensor, int], tf.Tensor]] = {
+    "magnitude": magnitude_mask
+}
 
 
 def _mask_method(method: str) -> Callable[[tf.Tensor, int], tf.Tensor]:
@@ -78,7 +82,12 @@ def _mask_method(method: str) -> Callable[[tf.Tensor, int], tf.Tensor]:
 
 
 def _weight_name(weight, name: str | None) -> str:
-    return name or getattr(weight, "path", None) or getattr(weight, "name", None) or "<tensor>"
+    return (
+        name
+        or getattr(weight, "path", None)
+        or getattr(weight, "name", None)
+        or "<tensor>"
+    )
 
 
 def _groups_view(w: tf.Tensor, m: int, axis: int, label: str) -> tf.Tensor:
@@ -86,7 +95,9 @@ def _groups_view(w: tf.Tensor, m: int, axis: int, label: str) -> tf.Tensor:
     shape = list(w.shape)
     rank = len(shape)
     if rank == 0 or not -rank <= axis < rank:
-        raise ValueError(f"Axis {axis} is out of range for weight {label} with shape {tuple(shape)}.")
+        raise ValueError(
+            f"Axis {axis} is out of range for weight {label} with shape {tuple(shape)}."
+        )
     axis %= rank
     if shape[axis] % m:
         raise ValueError(
@@ -102,8 +113,12 @@ def _groups_view(w: tf.Tensor, m: int, axis: int, label: str) -> tf.Tensor:
 def _keep_and_finite(
     groups: tf.Tensor, n: int, m: int, method: Callable
 ) -> tuple[tf.Tensor, tf.Tensor]:
-    groups = tf.ensure_shape(groups, [None, m, None])  # retracing relaxes shapes; M stays static
-    finite = tf.reduce_all(tf.math.is_finite(groups)) if groups.dtype.is_floating else True
+    groups = tf.ensure_shape(
+        groups, [None, m, None]
+    )  # retracing relaxes shapes; M stays static
+    finite = (
+        tf.reduce_all(tf.math.is_finite(groups)) if groups.dtype.is_floating else True
+    )
     return method(groups, n), finite
 
 

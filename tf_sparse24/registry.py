@@ -123,11 +123,18 @@ def scan_layer(
             return [], [axis]
         candidates = [(p, v, axis) for p, v in variables.items() if v is layer.kernel]
     else:
-        table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if type(layer) is cls), None)
+        table = next(
+            (t for cls, t in PRUNABLE_WEIGHTS.items() if type(layer) is cls), None
+        )
         if table is None:
-            table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if isinstance(layer, cls)), None)
+            table = next(
+                (t for cls, t in PRUNABLE_WEIGHTS.items() if isinstance(layer, cls)),
+                None,
+            )
         if table is None:
-            reason = next((r for cls, r in SKIP_REASONS.items() if isinstance(layer, cls)), None)
+            reason = next(
+                (r for cls, r in SKIP_REASONS.items() if isinstance(layer, cls)), None
+            )
             return [], [reason] if reason else []
         candidates = [
             (p, v, axis)

@@ -52,12 +52,16 @@ class Sparse24(keras.layers.Wrapper):
         >>> layer.update_masks()
     """
 
-    def __init__(self, layer, pattern: str = "2:4", weights: dict | None = None, **kwargs):
+    def __init__(
+        self, layer, pattern: str = "2:4", weights: dict | None = None, **kwargs
+    ):
         parse_pattern(pattern)
         kwargs.setdefault("name", f"sparse24_{layer.name}")
         super().__init__(layer, **kwargs)
         self.pattern = pattern
-        self.supports_masking = layer.supports_masking  # Keras masks pass through like the layer's
+        self.supports_masking = (
+            layer.supports_masking
+        )  # Keras masks pass through like the layer's
         self._spec = dict(weights) if weights is not None else None
         self.pruned_weights: list[PrunedWeight] = []
 
@@ -87,12 +91,18 @@ class Sparse24(keras.layers.Wrapper):
                 trainable=False,
                 autocast=False,
             )
-            setattr(self, mask.name, mask)  # an attribute, so tf.train.Checkpoint tracks it too
-            self.pruned_weights.append(PrunedWeight(path, var, mask, axis % var.ndim, self.pattern))
+            setattr(
+                self, mask.name, mask
+            )  # an attribute, so tf.train.Checkpoint tracks it too
+            self.pruned_weights.append(
+                PrunedWeight(path, var, mask, axis % var.ndim, self.pattern)
+            )
         self.built = True
 
     def __call__(self, *args, **kwargs):
-        if not self.layer.built:  # multi-input layers (MHA) build from their own call signature
+        if (
+            not self.layer.built
+        ):  # multi-input layers (MHA) build from their own call signature
             self.layer(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
@@ -109,20 +119,26 @@ class Sparse24(keras.layers.Wrapper):
 
     def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
         """The exactly-N:M weight the forward uses: `variable * mask`."""
-        value = pw.variable.value  # the compute dtype inside a mixed-precision call (autocast)
+        value = (
+            pw.variable.value
+        )  # the compute dtype inside a mixed-precision call (autocast)
         return value * tf.cast(pw.mask.value, value.dtype)
 
     def update_masks(self, method: str = "magnitude") -> None:
         """Recomputes every mask by `method` from the current variable values."""
         masks = [
-            compute_mask(pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path)
+            compute_mask(
+                pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path
+            )
             for pw in self.pruned_weights
         ]  # all checked before any assignment
         for pw, mask in zip(self.pruned_weights, masks):
             pw.mask.assign(mask)
 
     def call(self, *args, **kwargs):
-        masked = {id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights}
+        masked = {
+            id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights
+        }
         state = [(v, masked.get(id(v), v.value)) for v in self.layer.variables]
         with keras.StatelessScope(state_mapping=state) as scope:
             outputs = self.layer(*args, **kwargs)
