@@ -86,6 +86,7 @@ def test_large_and_odd_shapes(dtype):
         ref_values, ref_meta = fmt.compress(w)
         np.testing.assert_array_equal(bits(values.numpy()), bits(ref_values))
         np.testing.assert_array_equal(meta.numpy(), ref_meta)
+        # w + 0 turns the -0.0 of masked negatives into the +0.0 that decompress writes.
         np.testing.assert_array_equal(
             bits(ops.sparse24_decompress(values, meta, k).numpy()), bits(w + 0)
         )

@@ -173,11 +173,8 @@ class Sparse24MatMulOp : public OpKernel {
     parallel_for(n, k / 8 + 1, [&](int64_t r0, int64_t r1) {
       if (!sparse24::validate_meta(meta_data, k, r0, r1).empty()) meta_ok = false;
     });
-    if (!meta_ok) {
-      ctx->CtxFailure(
-          InvalidArgument("Sparse24MatMul: ", sparse24::validate_meta(meta_data, k, 0, n)));
-      return;
-    }
+    OP_REQUIRES(ctx, meta_ok.load(),
+                InvalidArgument("Sparse24MatMul: ", sparse24::validate_meta(meta_data, k, 0, n)));
     sparse24::SpmmArgs args;
     args.dtype = ToDType<T>();
     args.x = x.flat<T>().data();
@@ -213,8 +210,7 @@ REGISTER_CPU(Eigen::half);
 // against, and which CPU kernel variants this machine runs.
 extern "C" {
 
-// setup.py defines TF_SPARSE24_TF_VERSION from tf.__version__ (TF's headers carry no version
-// macro).
+// setup.py defines TF_SPARSE24_TF_VERSION from tf.__version__ (TF's headers have no such macro).
 #ifndef TF_SPARSE24_TF_VERSION
 #define TF_SPARSE24_TF_VERSION "unknown"
 #endif
