@@ -132,6 +132,10 @@ def tfmot_worker(task: str, seeds: list[int], weights: list[str], layer_names: l
         def wrap(layer):
             if layer.name not in layer_names:
                 return layer
+            ranks = {len(w.shape) for w in layer.trainable_weights if "kernel" in w.name}
+            if ranks - {2, 4}:  # tfmot's m_by_n rearranges only Dense and Conv2D kernels
+                refused.append(f"{layer.name}: kernel rank {sorted(ranks)} unsupported by tfmot m_by_n")
+                return layer
             try:
                 return sparsity.prune_low_magnitude(layer, sparsity_m_by_n=(2, 4))
             except Exception as e:  # tfmot refuses some layers for m_by_n: record which
