@@ -15,3 +15,4 @@ from tf_sparse24.metadata import ExportError  # noqa: E402
 from tf_sparse24.verify import describe as describe_export, verify as verify_export  # noqa: E402
 from tf_sparse24.ops import CompressedWeight, compress, decompress, sparse_matmul  # noqa: E402
 from tf_sparse24.permute import PermutationReport, permute, search_permutation  # noqa: E402
+from tf_sparse24.srste import SRSTE  # noqa: E402

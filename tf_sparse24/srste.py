@@ -1,0 +1,90 @@
+"""`SRSTE`: N:M sparse training from scratch with the sparse-refined straight-through estimator.
+
+Zhou et al., "Learning N:M Fine-grained Structured Sparse Neural Networks From Scratch" (ICLR
+2021). Every forward recomputes the N:M magnitude mask from the current dense weights W and uses
+the pruned weight W~ = W * mask. The backward passes the gradient at W~ straight through to all of
+W (pruned positions included, so a pruned weight can grow back), and SR-STE adds the sparse-refined
+decay on the pruned positions (the paper's Eq. 5):
+
+    W <- W - lr * (dL/dW~ + decay * (1 - mask) * W)
+
+The decay term is the gradient of `0.5 * decay * sum(((1 - mask) * W) ** 2)`, which the layer adds
+with `add_loss` in training, so it goes through loss scaling and distribution like any other loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tf_sparse24.masks import compute_mask
+from tf_sparse24.wrapper import PrunedWeight, Sparse24
+
+DEFAULT_DECAY = 2e-4  # the paper's lambda_W
+
+
+@keras.saving.register_keras_serializable(package="tf_sparse24")
+class SRSTE(Sparse24):
+    """A `Sparse24` whose masks follow the dense weights at every step (SR-STE training).
+
+    The forward always uses the exactly-N:M magnitude mask of the current weights, so `strip()`,
+    `report()`, export and `Sparse24Callback`'s check see exact N:M weights at any moment. In
+    training the mask variables are refreshed to the mask the forward used (for inspection and
+    checkpoints); the forward itself never reads them, so `Sparse24Callback`'s mask schedule
+    (`start_step`, `update_every`) has no effect on these layers.
+
+    Args:
+        layer: the Keras layer to wrap.
+        pattern: "N:M", keep N of every M.
+        weights: `{relative variable path: grouping axis}`; None uses the registry.
+        decay: the sparse-refined decay lambda_W on pruned positions (0 gives plain STE).
+
+    Raises:
+        ValueError: `decay` is not a finite number >= 0 (plus `Sparse24`'s checks).
+
+    Example:
+        >>> model = tf_sparse24.prune(untrained_model, wrapper=tf_sparse24.SRSTE)
+        >>> model.compile("sgd", "mse"); model.fit(x, y)   # masks move with the weights
+    """
+
+    def __init__(self, layer, pattern: str = "2:4", weights: dict | None = None,
+                 decay: float = DEFAULT_DECAY, **kwargs):
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
+            math.isfinite(decay) and decay >= 0
+        ):
+            raise ValueError(
+                f"SRSTE({layer.name!r}): decay must be a finite number >= 0. Received: decay={decay!r}"
+            )
+        kwargs.setdefault("name", f"srste_{layer.name}")
+        super().__init__(layer, pattern, weights, **kwargs)
+        self.decay = float(decay)
+
+    def current_mask(self, pw: PrunedWeight) -> tf.Tensor:
+        """The N:M magnitude mask of the variable's current value (compute dtype)."""
+        return compute_mask(pw.variable.value, pw.pattern, pw.axis, name=pw.variable.path)
+
+    def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
+        """`variable * current_mask`, with a straight-through (identity) gradient to the variable."""
+        value = pw.variable.value
+        masked = value * self.current_mask(pw)
+        return value + tf.stop_gradient(masked - value)  # exactly `masked`: v + (0 or -v)
+
+    def call(self, *args, training=None, **kwargs):
+        # `training` is declared so Keras resolves it here; the wrapped layer inherits it from the
+        # call context, so it is not forwarded (layers without a `training` argument would reject it).
+        if training:
+            decay = []
+            for pw in self.pruned_weights:
+                value = pw.variable.value
+                mask = self.current_mask(pw)
+                pw.mask.assign(tf.cast(mask, pw.mask.dtype))
+                pruned = tf.cast((1 - mask) * value, "float32")
+                decay.append(tf.reduce_sum(tf.square(pruned)))
+            if self.decay and decay:
+                self.add_loss(0.5 * self.decay * tf.add_n(decay))
+        return super().call(*args, **kwargs)
+
+    def get_config(self):
+        return {**super().get_config(), "decay": self.decay}
