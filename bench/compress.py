@@ -38,6 +38,22 @@ def random_24(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
     return np.ascontiguousarray(groups.reshape(n, k).T)
 
 
+def time_shape(w: np.ndarray, repeats: int) -> list[float]:
+    """[op compress, numpy compress, op decompress, numpy decompress] median ms for one matrix."""
+    k = w.shape[0]
+    wt = tf.constant(w)
+    values, meta = ops.sparse24_compress(wt)
+    np_values, np_meta = fmt.compress(w)
+    if not (np.array_equal(values.numpy(), np_values) and np.array_equal(meta.numpy(), np_meta)):
+        raise RuntimeError(f"op and numpy reference disagree on a {w.shape} matrix")
+    return [
+        median_ms(lambda: ops.sparse24_compress(wt)[1].numpy(), repeats),
+        median_ms(lambda: fmt.compress(w), repeats),
+        median_ms(lambda: ops.sparse24_decompress(values, meta, k).numpy(), repeats),
+        median_ms(lambda: fmt.decompress(np_values, np_meta, k), repeats),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -49,17 +65,7 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- |")
     for k, n in SHAPES:
-        w = random_24(rng, k, n)
-        wt = tf.constant(w)
-        values, meta = ops.sparse24_compress(wt)
-        np_values, np_meta = fmt.compress(w)
-        assert np.array_equal(values.numpy(), np_values) and np.array_equal(meta.numpy(), np_meta)
-        cells = [
-            median_ms(lambda: ops.sparse24_compress(wt)[1].numpy(), args.repeats),
-            median_ms(lambda: fmt.compress(w), args.repeats),
-            median_ms(lambda: ops.sparse24_decompress(values, meta, k).numpy(), args.repeats),
-            median_ms(lambda: fmt.decompress(np_values, np_meta, k), args.repeats),
-        ]
+        cells = time_shape(random_24(rng, k, n), args.repeats)
         print(f"| {k} x {n} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
 
 
