@@ -30,8 +30,9 @@ struct Plan {
 };
 
 Plan make_plan(Isa isa, int64_t M, int64_t N) {
-  // Panel tiles are wide (each tile streams every x^T panel once) but leave >= 8 units to share.
-  const int64_t panel_tile = std::clamp<int64_t>((N / 8 + 7) / 8 * 8, 16, 256);
+  // Panel tiles are wide (each tile streams every x^T panel once) but leave >= 16 units, so two
+  // threads stay balanced when N is small (768 columns -> 16 tiles of 48).
+  const int64_t panel_tile = std::clamp<int64_t>((N / 16 + 7) / 8 * 8, 16, 256);
   switch (isa) {
     case Isa::kAvx512:
       if (M > kGemvMaxRows) return {spmm_internal::spmm_panel_avx512, true, 16, panel_tile};
