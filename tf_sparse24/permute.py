@@ -473,6 +473,8 @@ def _producer_of(model, name: str, graph) -> tuple[str | None, str]:
             return None, "its input channels come from the model input"
         if _kernel_axis(layer) is not None:
             return source, ""
+        if len(inputs[source]) != 1:
+            return None, f"its input channels come from shared layer {source!r} ({kind})"
         if not (kind in _PASS_THROUGH | _PER_CHANNEL and _passes(layer)):
             return None, f"its input channels come from {source!r} ({kind}), which cannot be permuted"
         current = source
