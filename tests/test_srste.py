@@ -226,3 +226,29 @@ def test_prune_wrapper_partial_and_bad_arguments():
     for bad in (-1.0, float("nan"), "2e-4", True):
         with pytest.raises(ValueError, match=r"SRSTE\('dense\w*'\): decay must be"):
             SRSTE(keras.layers.Dense(2), decay=bad)
+
+
+def test_nested_variables_and_mixed_precision():
+    """MHA projections (nested variables) under mixed_float16: exact N:M after each step."""
+    keras.utils.set_random_seed(4)
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(16, 6, 8)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        inputs = keras.Input((6, 8))
+        h = keras.layers.MultiHeadAttention(2, 4)(inputs, inputs)
+        model = keras.Model(inputs, keras.layers.Dense(4, dtype="float32")(keras.layers.Flatten()(h)))
+        sparse = tf_sparse24.prune(model, wrapper=SRSTE)
+        sparse.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=False)
+        for _ in range(2):
+            loss = sparse.train_on_batch(x, y)
+            assert np.isfinite(loss)
+            for layer in tf_sparse24.pruned_layers(sparse):
+                for pw in layer.pruned_weights:
+                    w = pw.variable.numpy()
+                    effective = layer.effective_weight(pw).numpy()
+                    np.testing.assert_array_equal(effective, w * np_mask(w, "2:4", pw.axis))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    names = {pw.name for layer in tf_sparse24.pruned_layers(sparse) for pw in layer.pruned_weights}
+    assert {"query/kernel", "key/kernel", "value/kernel", "attention_output/kernel", "kernel"} == names
