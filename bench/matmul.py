@@ -15,15 +15,16 @@ weight-read bandwidth of the dense GEMV row, the machine figures docs/KERNELS.md
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-from tf_sparse24 import ops  # noqa: E402
+from tf_sparse24 import ops
 
 # (M, K, N): goal ratio for float32, bfloat16 (issue 5).
 GOALS = {
@@ -53,23 +54,33 @@ def _time_pair(dense, sparse, budget_s: float, min_reps: int, max_reps: int):
             fn()
             wall[i].append(time.perf_counter() - t0)
             cpu[i].append(time.process_time() - c0)
-    med = lambda v: float(np.median(v))  # noqa: E731
-    return med(wall[0]), med(wall[1]), med(cpu[0]) / med(cpu[1]), len(wall[0])
+    td, ts = float(np.median(wall[0])), float(np.median(wall[1]))
+    return td, ts, float(np.median(cpu[0]) / np.median(cpu[1])), len(wall[0])
+
+
+def _run_numpy(fn, *args):
+    return fn(*args).numpy()
 
 
 def _random_2to4(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
     w = rng.standard_normal((k, n)).astype(np.float32)
-    drop = np.argsort(rng.random((k // 4, 4, n)), axis=1)[:, :2]  # 2 random zeros per group
+    drop = np.argsort(rng.random((k // 4, 4, n)), axis=1)[
+        :, :2
+    ]  # 2 random zeros per group
     np.put_along_axis(w.reshape(k // 4, 4, n), drop, 0.0, axis=1)
     return w
 
 
 def run(shapes, dtypes, quick: bool) -> None:
     rng = np.random.default_rng(0)
-    print(f"TF {tf.__version__}, kernel variant: {ops.cpu_isa()}, "
-          f"intra-op threads: {tf.config.threading.get_intra_op_parallelism_threads() or 'auto'}")
-    header = (f"{'M x K x N':>18} {'dtype':>8} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} "
-              f"{'goal':>5} {'met':>3} {'cpu ratio':>9} {'dense GF/s':>10} {'sparse GF/s':>11} {'reps':>4}")
+    print(
+        f"TF {tf.__version__}, kernel variant: {ops.cpu_isa()}, "
+        f"intra-op threads: {tf.config.threading.get_intra_op_parallelism_threads() or 'auto'}"
+    )
+    header = (
+        f"{'M x K x N':>18} {'dtype':>8} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} "
+        f"{'goal':>5} {'met':>3} {'cpu ratio':>9} {'dense GF/s':>10} {'sparse GF/s':>11} {'reps':>4}"
+    )
     print(header)
     print("-" * len(header))
     for dtype in dtypes:
@@ -78,32 +89,51 @@ def run(shapes, dtypes, quick: bool) -> None:
             w32 = _random_2to4(rng, k, n)
             w = tf.cast(tf.constant(w32), tf_dtype)
             values, meta = ops.sparse24_compress(w)
-            x = tf.cast(tf.constant(rng.standard_normal((m, k)).astype(np.float32)), tf_dtype)
+            x = tf.cast(
+                tf.constant(rng.standard_normal((m, k)).astype(np.float32)), tf_dtype
+            )
             dense_fn = tf.function(lambda a, b: tf.linalg.matmul(a, b))
             sparse_fn = tf.function(lambda a, v, s: ops.sparse24_matmul(a, v, s))
             flops = 2.0 * m * k * n
-            budget = (2.0 if quick else 8.0) if flops < 1e10 else (4.0 if quick else 15.0)
-            td, ts, cpu_ratio, reps = _time_pair(lambda: dense_fn(x, w).numpy(),
-                                      lambda: sparse_fn(x, values, meta).numpy(),
-                                      budget, 3 if quick else 5, 30 if quick else 200)
+            budget = (
+                (2.0 if quick else 8.0) if flops < 1e10 else (4.0 if quick else 15.0)
+            )
+            td, ts, cpu_ratio, reps = _time_pair(
+                functools.partial(_run_numpy, dense_fn, x, w),
+                functools.partial(_run_numpy, sparse_fn, x, values, meta),
+                budget,
+                3 if quick else 5,
+                30 if quick else 200,
+            )
             goal = GOALS.get((m, k, n), (None, None))[0 if dtype == "float32" else 1]
             ratio = td / ts
             met = "-" if goal is None else ("yes" if ratio >= goal else "no")
             goal_s = "-" if goal is None else f"{goal:.1f}"
-            print(f"{f'{m}x{k}x{n}':>18} {dtype:>8} {td * 1e3:9.2f} {ts * 1e3:9.2f} {ratio:6.2f} "
-                  f"{goal_s:>5} {met:>3} {cpu_ratio:9.2f} {flops / td / 1e9:10.1f} {flops / 2 / ts / 1e9:11.1f} "
-                  f"{reps:4d}", flush=True)
+            print(
+                f"{f'{m}x{k}x{n}':>18} {dtype:>8} {td * 1e3:9.2f} {ts * 1e3:9.2f} {ratio:6.2f} "
+                f"{goal_s:>5} {met:>3} {cpu_ratio:9.2f} {flops / td / 1e9:10.1f} {flops / 2 / ts / 1e9:11.1f} "
+                f"{reps:4d}",
+                flush=True,
+            )
             if m == 1 and dtype == "float32":
-                print(f"{'':>18} dense GEMV reads W at {k * n * 4 / td / 1e9:.1f} GB/s; sparse reads "
-                      f"values+meta at {(k * n * 2 + n * k // 8) / ts / 1e9:.1f} GB/s")
+                print(
+                    f"{'':>18} dense GEMV reads W at {k * n * 4 / td / 1e9:.1f} GB/s; sparse reads "
+                    f"values+meta at {(k * n * 2 + n * k // 8) / ts / 1e9:.1f} GB/s"
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats; skip M=2048")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repeats; skip M=2048"
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--shapes", default=None, help="comma-separated MxKxN (default: the goals)")
-    parser.add_argument("--isa", default=None, choices=ops.CPU_ISAS, help="force a kernel variant")
+    parser.add_argument(
+        "--shapes", default=None, help="comma-separated MxKxN (default: the goals)"
+    )
+    parser.add_argument(
+        "--isa", default=None, choices=ops.CPU_ISAS, help="force a kernel variant"
+    )
     args = parser.parse_args()
     if args.isa:
         ops.set_cpu_isa(args.isa)

@@ -45,7 +45,8 @@ int main(int argc, char** argv) {
   const uint8_t nibbles[6] = {0x4, 0x8, 0xc, 0x9, 0xd, 0xe};  // ascending position pairs
   for (auto& b : meta) b = nibbles[rng() % 6] | (nibbles[rng() % 6] << 4);
   sparse24::SpmmArgs args{dtype, x.data(), K, values.data(), meta.data(), M, K, N, y.data(), N};
-  sparse24::ParallelFor serial = [](int64_t total, int64_t, const std::function<void(int64_t, int64_t)>& fn) {
+  sparse24::ParallelFor serial = [](int64_t total, int64_t,
+                                    const std::function<void(int64_t, int64_t)>& fn) {
     if (total > 0) fn(0, total);
   };
   std::vector<double> times;

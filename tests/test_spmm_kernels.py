@@ -13,6 +13,7 @@ import ctypes
 import glob
 import hashlib
 import os
+import pathlib
 import shutil
 import subprocess
 import tempfile
@@ -28,7 +29,14 @@ from tf_sparse24 import format as fmt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ISA_FLAGS = {  # same per-file flags as setup.py
     "_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
-    "_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "_avx512.cc": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-mf16c",
+    ],
 }
 ISAS = {"scalar": 1, "avx2": 2, "avx512": 3}  # sparse24::Isa values
 DTYPES = {np.float32: 0, ml_dtypes.bfloat16: 1, np.float16: 2}
@@ -44,7 +52,9 @@ def _sources() -> list[str]:
 def _build(out_dir: str) -> str:
     """Compiles the core into out_dir/libspmm_<source hash>.so once (reused while sources match)."""
     srcs = _sources()
-    digest = hashlib.sha1(b"".join(open(s, "rb").read() for s in srcs)).hexdigest()[:12]
+    digest = hashlib.sha1(
+        b"".join(pathlib.Path(s).read_bytes() for s in srcs)
+    ).hexdigest()[:12]
     lib_path = os.path.join(out_dir, f"libspmm_{digest}.so")
     if os.path.exists(lib_path):
         return lib_path
@@ -53,15 +63,31 @@ def _build(out_dir: str) -> str:
     def compile_one(src: str) -> str:
         obj = os.path.join(tmp, os.path.basename(src) + ".o")
         flags = next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
-        cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-Wall", *flags, f"-I{ROOT}", "-c", src, "-o", obj]
+        cmd = [
+            "g++",
+            "-std=c++17",
+            "-O2",
+            "-fPIC",
+            "-Wall",
+            *flags,
+            f"-I{ROOT}",
+            "-c",
+            src,
+            "-o",
+            obj,
+        ]
         subprocess.run(cmd, check=True, capture_output=True)
         return obj
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         objs = list(pool.map(compile_one, srcs))
-    subprocess.run(["g++", "-shared", *objs, "-o", os.path.join(tmp, "lib.so"), "-lpthread"],
-                   check=True)
-    os.replace(os.path.join(tmp, "lib.so"), lib_path)  # atomic: parallel workers may race here
+    subprocess.run(
+        ["g++", "-shared", *objs, "-o", os.path.join(tmp, "lib.so"), "-lpthread"],
+        check=True,
+    )
+    os.replace(
+        os.path.join(tmp, "lib.so"), lib_path
+    )  # atomic: parallel workers may race here
     shutil.rmtree(tmp, ignore_errors=True)
     return lib_path
 
@@ -72,8 +98,20 @@ def core() -> ctypes.CDLL:
     os.makedirs(out_dir, exist_ok=True)
     lib = ctypes.CDLL(_build(out_dir))
     i64, vp = ctypes.c_int64, ctypes.c_void_p
-    lib.sparse24_test_spmm.argtypes = [ctypes.c_int, ctypes.c_int, vp, i64, vp, vp, i64, i64, i64,
-                                       vp, i64, ctypes.c_int]
+    lib.sparse24_test_spmm.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        vp,
+        i64,
+        vp,
+        vp,
+        i64,
+        i64,
+        i64,
+        vp,
+        i64,
+        ctypes.c_int,
+    ]
     lib.sparse24_test_spmm.restype = ctypes.c_int
     return lib
 
@@ -86,11 +124,24 @@ def _run(core, isa, x, values, meta, n, *, y_cols=None, threads=2):
     """y = x @ W through the core; x may be a column slice (row stride > K)."""
     m, k = x.shape
     ldy = y_cols or n
-    y = np.full((m, ldy), -7.0, x.dtype)  # junk in the stride padding must stay untouched
+    y = np.full(
+        (m, ldy), -7.0, x.dtype
+    )  # junk in the stride padding must stay untouched
     ldx = x.strides[0] // x.itemsize if m else k
-    rc = core.sparse24_test_spmm(DTYPES[x.dtype.type], ISAS[isa], x.ctypes.data, ldx,
-                                 values.ctypes.data, meta.ctypes.data, m, k, n, y.ctypes.data,
-                                 ldy, threads)
+    rc = core.sparse24_test_spmm(
+        DTYPES[x.dtype.type],
+        ISAS[isa],
+        x.ctypes.data,
+        ldx,
+        values.ctypes.data,
+        meta.ctypes.data,
+        m,
+        k,
+        n,
+        y.ctypes.data,
+        ldy,
+        threads,
+    )
     assert rc == 0
     if ldy > n:
         assert (y[:, n:] == -7.0).all(), "kernel wrote outside y's columns"
@@ -110,14 +161,29 @@ def _random_2to4(rng, k, n, dtype):
 def _check(y, x, w):
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     ref = x64 @ w64
-    bound = 1e-5 * (np.abs(x64) @ np.abs(w64)) + OUT_EPS[x.dtype.type] * np.abs(ref) + 1e-30
+    bound = (
+        1e-5 * (np.abs(x64) @ np.abs(w64)) + OUT_EPS[x.dtype.type] * np.abs(ref) + 1e-30
+    )
     err = np.abs(y.astype(np.float64) - ref)
-    assert (err <= bound).all(), f"max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+    assert (err <= bound).all(), (
+        f"max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+    )
 
 
 SHAPES = [  # (M, K, N): K % 8 == 4, K < one SIMD chunk, N=1, N off every register block, M tails
-    (1, 4, 1), (1, 12, 3), (2, 20, 5), (3, 36, 17), (4, 64, 33), (5, 132, 40), (8, 68, 9),
-    (16, 260, 64), (17, 100, 70), (29, 40, 11), (33, 196, 31), (70, 516, 129), (1, 1028, 300),
+    (1, 4, 1),
+    (1, 12, 3),
+    (2, 20, 5),
+    (3, 36, 17),
+    (4, 64, 33),
+    (5, 132, 40),
+    (8, 68, 9),
+    (16, 260, 64),
+    (17, 100, 70),
+    (29, 40, 11),
+    (33, 196, 31),
+    (70, 516, 129),
+    (1, 1028, 300),
 ]
 
 
@@ -146,14 +212,25 @@ def test_strides_and_empty(core, isa):
         x = x_wide[:, 2 : 2 + k]  # row stride K + 5, unaligned start
         _check(_run(core, isa, x, values, meta, n, y_cols=n + 3), x, w)
     values, meta = fmt.compress(_random_2to4(rng, 8, 6, np.float32))
-    assert _run(core, isa, np.zeros((0, 8), np.float32), values, meta, 6).shape == (0, 6)
-    y = _run(core, isa, np.ones((2, 0), np.float32), np.zeros((6, 0), np.float32),
-             np.zeros((6, 0), np.uint8), 6)
+    assert _run(core, isa, np.zeros((0, 8), np.float32), values, meta, 6).shape == (
+        0,
+        6,
+    )
+    y = _run(
+        core,
+        isa,
+        np.ones((2, 0), np.float32),
+        np.zeros((6, 0), np.float32),
+        np.zeros((6, 0), np.uint8),
+        6,
+    )
     assert (y == 0).all()
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"]
+)
 def test_nan_inf_propagate_like_dense(core, isa, dtype):
     if not _supported(core, isa):
         pytest.skip(f"this CPU cannot run {isa}")
@@ -176,8 +253,13 @@ def test_nan_inf_propagate_like_dense(core, isa, dtype):
 
 
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(0, 40), groups=st.integers(1, 40), n=st.integers(1, 40),
-       seed=st.integers(0, 2**31 - 1), threads=st.integers(1, 3))
+@given(
+    m=st.integers(0, 40),
+    groups=st.integers(1, 40),
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+    threads=st.integers(1, 3),
+)
 def test_all_isas_agree_on_random_shapes(core, m, groups, n, seed, threads):
     rng = np.random.default_rng(seed)
     k = 4 * groups

@@ -48,7 +48,8 @@ int sparse24_test_spmm(int dtype, int isa, const void* x, int64_t ldx, const voi
                        int threads) {
   const auto which = static_cast<sparse24::Isa>(isa);
   if (!sparse24::isa_supported(which)) return -1;
-  sparse24::SpmmArgs args{static_cast<sparse24::DType>(dtype), x, ldx, values, meta, m, k, n, y, ldy};
+  const sparse24::SpmmArgs args{static_cast<sparse24::DType>(dtype), x, ldx, values, meta, m, k, n,
+                                y, ldy};
   sparse24::spmm(args, which, thread_pool(threads));
   return 0;
 }

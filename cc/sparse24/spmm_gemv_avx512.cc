@@ -20,8 +20,8 @@ constexpr int64_t kPrefetchBytes = 8192;  // as in spmm_gemv_avx2.cc
 
 inline __m512 load16_values(DType dtype, const void* values, int64_t i) {
   if (dtype == DType::kFloat32) return _mm512_loadu_ps(static_cast<const float*>(values) + i);
-  const __m256i h =
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values) + i));
+  const auto* src = static_cast<const uint16_t*>(values) + i;
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   if (dtype == DType::kBFloat16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }

@@ -17,7 +17,8 @@ struct Avx2 {
   static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static void widen(DType dtype, const void* src, int64_t i, float* dst) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
+    const auto* p = static_cast<const uint16_t*>(src) + i;
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const reg f = dtype == DType::kBFloat16
                       ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
                       : _mm256_cvtph_ps(h);

@@ -24,7 +24,8 @@ constexpr int64_t kPrefetchCols = 4;  // how far ahead a column's values are pre
 
 // V: SIMD traits with `using reg`, `kLanes`, zero(), load(const float*), store(float*, reg),
 // broadcast(const float*), fmadd(a, b, c) = a * b + c, add(a, b), and
-// widen(DType, const void* src, int64_t i, float* dst): kLanes bf16/f16 values from src[i] to float32.
+// widen(DType, const void* src, int64_t i, float* dst): kLanes bf16/f16 values from src[i] to
+// float32.
 //
 // R: SIMD registers per panel row (width = R * kLanes rows of x). S: accumulator sets, so R * S
 // independent FMA chains hide the FMA latency.
@@ -106,7 +107,9 @@ struct Microkernel {
           } else {
             const int64_t count = 2 * groups;
             int64_t i = 0;
-            for (; i + V::kLanes <= count; i += V::kLanes) V::widen(w.dtype, w.values, v0 + i, vbuf + i);
+            for (; i + V::kLanes <= count; i += V::kLanes) {
+              V::widen(w.dtype, w.values, v0 + i, vbuf + i);
+            }
             for (; i < count; ++i) vbuf[i] = load_f32(w.dtype, w.values, v0 + i);
             vals = vbuf;
           }
