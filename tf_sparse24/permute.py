@@ -5,10 +5,10 @@ matters: reordering a layer's input channels (and, to keep the network's functio
 output channels of the layer that produces them) lets large weights avoid competing with each other.
 
 Two parts:
-- `search_permutation(weight, axis)`: pure numpy search for a channel order. Simulated annealing
-  over channel swaps (each proposal scored in O(1) from a table of "stripe with one channel
-  replaced" magnitudes), then an exact local search that re-partitions two or three 4-channel
-  stripes at a time (apex ASP's "optimize stripe groups" neighbourhood), repeated until no gain.
+- `search_permutation(weight, axis)`: pure numpy search for a channel order. An exact local
+  search re-partitions two or three 4-channel stripes at a time (apex ASP's "optimize stripe
+  groups" neighbourhood) until no gain is left, then escapes local optima by shuffling a few
+  stripes of the best order and searching again ("kicks"), keeping only improvements.
 - `permute(model)`: applies searches to a Keras Functional/Sequential model, permuting each
   eligible layer's input channels together with its producer's output channels (kernel columns,
   bias, BatchNormalization parameters in between), and reports per-layer gains and skip reasons.
