@@ -28,17 +28,29 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import digits_mlp  # noqa: E402
-import mnist_2to4  # noqa: E402
+import digits_mlp
+import mnist_2to4
 
-import tf_sparse24  # noqa: E402
-from tf_sparse24 import SRSTE  # noqa: E402
+import tf_sparse24
+from tf_sparse24 import SRSTE
 
 TASKS = {
-    "digits_mlp": dict(load=digits_mlp.load_data, build=digits_mlp.build_model, epochs=digits_mlp.EPOCHS,
-                       finetune=digits_mlp.FINETUNE_EPOCHS, lr=digits_mlp.LR, batch=digits_mlp.BATCH_SIZE),
-    "mnist_cnn": dict(load=lambda seed: mnist_2to4.load_data(seed, None), build=mnist_2to4.build_model,
-                      epochs=12, finetune=6, lr=1e-3, batch=64),
+    "digits_mlp": {
+        "load": digits_mlp.load_data,
+        "build": digits_mlp.build_model,
+        "epochs": digits_mlp.EPOCHS,
+        "finetune": digits_mlp.FINETUNE_EPOCHS,
+        "lr": digits_mlp.LR,
+        "batch": digits_mlp.BATCH_SIZE,
+    },
+    "mnist_cnn": {
+        "load": lambda seed: mnist_2to4.load_data(seed, None),
+        "build": mnist_2to4.build_model,
+        "epochs": 12,
+        "finetune": 6,
+        "lr": 1e-3,
+        "batch": 64,
+    },
 }
 METHODS = ["dense", "SR-STE 2:4", "STE 2:4", "prune+fine-tune"]
 
@@ -55,15 +67,24 @@ class EpochTimer(keras.callbacks.Callback):
 
 
 def _compile(model, lr):
-    model.compile(keras.optimizers.Adam(lr), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        keras.optimizers.Adam(lr),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
 
 
 def _fit(model, data, spec, epochs, callbacks=()) -> float:
     """Trains; returns the median seconds per epoch (the first epoch, which traces, excluded)."""
     timer = EpochTimer()
-    model.fit(data[0], data[2], batch_size=spec["batch"], epochs=epochs, verbose=0,
-              callbacks=[timer, *callbacks])
+    model.fit(
+        data[0],
+        data[2],
+        batch_size=spec["batch"],
+        epochs=epochs,
+        verbose=0,
+        callbacks=[timer, *callbacks],
+    )
     return float(np.median(timer.seconds[1:] or timer.seconds))
 
 
@@ -74,10 +95,13 @@ def _accuracy(model, data) -> float:
 
 def _kept(model) -> np.ndarray:
     """The magnitude masks of the current weights of every pruned weight, flattened."""
-    return np.concatenate([
-        np.asarray(tf_sparse24.compute_mask(pw.variable, pw.pattern, pw.axis)).ravel()
-        for layer in tf_sparse24.pruned_layers(model) for pw in layer.pruned_weights
-    ])
+    return np.concatenate(
+        [
+            np.asarray(tf_sparse24.compute_mask(pw.variable, pw.pattern, pw.axis)).ravel()
+            for layer in tf_sparse24.pruned_layers(model)
+            for pw in layer.pruned_weights
+        ]
+    )
 
 
 def run(spec: dict, seed: int) -> dict:
@@ -96,13 +120,17 @@ def run(spec: dict, seed: int) -> dict:
         model = tf_sparse24.prune(start, wrapper=functools.partial(SRSTE, decay=decay))
         before = _kept(model)
         _compile(model, spec["lr"])
-        out[f"sec {name}"] = _fit(model, data, spec, spec["epochs"], [tf_sparse24.Sparse24Callback()])
+        out[f"sec {name}"] = _fit(
+            model, data, spec, spec["epochs"], [tf_sparse24.Sparse24Callback()]
+        )
         out[name] = _accuracy(model, data)
         out[f"moved {name}"] = 100.0 * float(np.mean(before != _kept(model)))
     keras.utils.set_random_seed(seed)
     pruned = tf_sparse24.prune(dense)
     _compile(pruned, spec["lr"] / 10)
-    out["sec prune+fine-tune"] = _fit(pruned, data, spec, spec["finetune"], [tf_sparse24.Sparse24Callback()])
+    out["sec prune+fine-tune"] = _fit(
+        pruned, data, spec, spec["finetune"], [tf_sparse24.Sparse24Callback()]
+    )
     out["prune+fine-tune"] = _accuracy(pruned, data)
     return out
 
@@ -111,23 +139,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 seed, halved epochs")
     parser.add_argument("--tasks", default=",".join(TASKS))
-    parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)")
+    parser.add_argument(
+        "--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)"
+    )
     args = parser.parse_args()
     seeds = range(args.seeds or (1 if args.quick else 3))
     rows = {}
     for task in args.tasks.split(","):
         spec = dict(TASKS[task])
         if args.quick:
-            spec["epochs"], spec["finetune"] = max(2, spec["epochs"] // 2), max(2, spec["finetune"] // 2)
+            spec["epochs"], spec["finetune"] = (
+                max(2, spec["epochs"] // 2),
+                max(2, spec["finetune"] // 2),
+            )
         runs = []
         for seed in seeds:
             runs.append(run(spec, seed))
-            print(f"[{task} seed {seed}] " + ", ".join(f"{k} {v:.3g}" for k, v in runs[-1].items()), flush=True)
+            print(
+                f"[{task} seed {seed}] " + ", ".join(f"{k} {v:.3g}" for k, v in runs[-1].items()),
+                flush=True,
+            )
         rows[task] = (spec, runs)
 
     print(f"\nTest accuracy %, mean ± std over {len(seeds)} seed(s) (Adam; fine-tune at lr/10)")
-    print(f"{'task':<12}{'epochs E(+F)':>13}" + "".join(f"{m:>17}" for m in METHODS)
-          + f"{'SR-STE - dense':>16}")
+    print(
+        f"{'task':<12}{'epochs E(+F)':>13}"
+        + "".join(f"{m:>17}" for m in METHODS)
+        + f"{'SR-STE - dense':>16}"
+    )
     for task, (spec, runs) in rows.items():
         cells = []
         for m in METHODS:
@@ -135,16 +174,19 @@ def main() -> None:
             cells.append(f"{v.mean():.2f} ± {v.std():.2f}")
         gap = np.mean([r["SR-STE 2:4"] - r["dense"] for r in runs])
         budget = f"{spec['epochs']}(+{spec['finetune']})"
-        print(f"{task:<12}{budget:>13}" + "".join(f"{c:>17}" for c in cells)
-              + f"{gap:>+16.2f}")
-    print("\nSeconds per epoch (median; ratio to dense) and kept positions moved from the initial masks")
+        print(f"{task:<12}{budget:>13}" + "".join(f"{c:>17}" for c in cells) + f"{gap:>+16.2f}")
+    print(
+        "\nSeconds per epoch (median; ratio to dense) and kept positions moved from the initial masks"
+    )
     for task, (spec, runs) in rows.items():
         dense_sec = np.median([r["sec dense"] for r in runs])
         parts = [f"dense {dense_sec:.3f}s"]
         for m in METHODS[1:]:
             sec = np.median([r[f"sec {m}"] for r in runs])
             parts.append(f"{m} {sec:.3f}s ({sec / dense_sec:.2f}x)")
-        moved = "; ".join(f"{m} {np.mean([r[f'moved {m}'] for r in runs]):.1f}%" for m in METHODS[1:3])
+        moved = "; ".join(
+            f"{m} {np.mean([r[f'moved {m}'] for r in runs]):.1f}%" for m in METHODS[1:3]
+        )
         print(f"{task:<12}" + ", ".join(parts) + f"; moved: {moved}")
 
 

@@ -5,12 +5,14 @@ hand) or from a plain Keras layer holding the numpy-masked weights.
 """
 
 import functools
+import itertools
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tf_sparse24
 from tf_sparse24 import SRSTE, Sparse24, Sparse24Callback
@@ -64,7 +66,7 @@ def test_fit_steps_match_numpy_sgd_with_masks_of_the_current_weights(pattern):
         np.testing.assert_allclose(layer.layer.kernel.numpy(), expected_w, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(layer.layer.bias.numpy(), expected_b, rtol=1e-5, atol=1e-6)
         masks.append(mask)
-    flips = sum(int(np.sum(a != b)) for a, b in zip(masks, masks[1:]))
+    flips = sum(int(np.sum(a != b)) for a, b in itertools.pairwise(masks))
     assert flips > 0, "the test must exercise masks that change between steps"
 
 
@@ -89,7 +91,12 @@ def test_gradient_is_straight_through_plus_sparse_refined_decay(case, pattern):
     assert pw.axis == axis
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(wrapper(x, training=True) * r) + tf.add_n(wrapper.losses)
-    grads = dict(zip(("kernel", "bias"), tape.gradient(loss, [wrapper.layer.kernel, wrapper.layer.bias])))
+    grads = dict(
+        zip(
+            ("kernel", "bias"),
+            tape.gradient(loss, [wrapper.layer.kernel, wrapper.layer.bias]),
+        )
+    )
 
     w = pw.variable.numpy()
     mask = np_mask(w, pattern, axis)
@@ -148,7 +155,11 @@ def digits_mlp():
     y = data.target.astype("int32")
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)]
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(10),
+        ]
     )
     return model, x, y
 
@@ -158,8 +169,14 @@ def trained():
     """SR-STE from scratch on scikit-learn digits: random init -> prune(wrapper=SRSTE) -> fit."""
     model, x, y = digits_mlp()
     sparse = tf_sparse24.prune(model, wrapper=SRSTE)
-    initial = {w.name: np_mask(w.layer.kernel.numpy(), "2:4", 0) for w in tf_sparse24.pruned_layers(sparse)}
-    sparse.compile(keras.optimizers.SGD(0.1, momentum=0.9), keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    initial = {
+        w.name: np_mask(w.layer.kernel.numpy(), "2:4", 0) for w in tf_sparse24.pruned_layers(sparse)
+    }
+    sparse.compile(
+        keras.optimizers.SGD(0.1, momentum=0.9),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     history = sparse.fit(x, y, batch_size=64, epochs=4, verbose=0, callbacks=[Sparse24Callback()])
     return sparse, x, y, initial, history
 
@@ -173,7 +190,9 @@ def test_fit_from_scratch_moves_masks_and_ends_exactly_nm(trained):
     for layer in layers:
         w = layer.layer.kernel.numpy()
         final = np_mask(w, "2:4", 0)
-        assert np.mean(final != initial[layer.name]) > 0.01, f"{layer.name}: kept positions must change"
+        assert np.mean(final != initial[layer.name]) > 0.01, (
+            f"{layer.name}: kept positions must change"
+        )
         effective = layer.effective_weight(layer.pruned_weights[0]).numpy()
         np.testing.assert_array_equal(effective, w * final)
         assert_exact_nm(effective, "2:4", 0)
@@ -210,13 +229,14 @@ def test_strip_gives_plain_model_with_exact_nm_weights(trained):
     # evaluate() adds no decay term: the SR-STE model's loss is the plain model's loss
     plain.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     np.testing.assert_allclose(
-        sparse.evaluate(x, y, verbose=0, return_dict=True)["loss"], plain.evaluate(x, y, verbose=0, return_dict=True)["loss"],
+        sparse.evaluate(x, y, verbose=0, return_dict=True)["loss"],
+        plain.evaluate(x, y, verbose=0, return_dict=True)["loss"],
         rtol=1e-6,
     )
 
 
 def test_prune_wrapper_partial_and_bad_arguments():
-    model, x, _ = digits_mlp()
+    model, _, _ = digits_mlp()
     sparse = tf_sparse24.prune(model, "4:8", wrapper=functools.partial(SRSTE, decay=1e-3))
     layers = tf_sparse24.pruned_layers(sparse)
     assert [(type(l), l.pattern, l.decay) for l in layers] == [(SRSTE, "4:8", 1e-3)] * 2
@@ -232,12 +252,17 @@ def test_nested_variables_and_mixed_precision():
     """MHA projections (nested variables) under mixed_float16: exact N:M after each step."""
     keras.utils.set_random_seed(4)
     rng = np.random.default_rng(4)
-    x, y = rng.normal(size=(16, 6, 8)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
+    x, y = (
+        rng.normal(size=(16, 6, 8)).astype("float32"),
+        rng.normal(size=(16, 4)).astype("float32"),
+    )
     keras.config.set_dtype_policy("mixed_float16")
     try:
         inputs = keras.Input((6, 8))
         h = keras.layers.MultiHeadAttention(2, 4)(inputs, inputs)
-        model = keras.Model(inputs, keras.layers.Dense(4, dtype="float32")(keras.layers.Flatten()(h)))
+        model = keras.Model(
+            inputs, keras.layers.Dense(4, dtype="float32")(keras.layers.Flatten()(h))
+        )
         sparse = tf_sparse24.prune(model, wrapper=SRSTE)
         sparse.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=False)
         for _ in range(2):
@@ -251,4 +276,43 @@ def test_nested_variables_and_mixed_precision():
     finally:
         keras.config.set_dtype_policy("float32")
     names = {pw.name for layer in tf_sparse24.pruned_layers(sparse) for pw in layer.pruned_weights}
-    assert {"query/kernel", "key/kernel", "value/kernel", "attention_output/kernel", "kernel"} == names
+    assert {
+        "query/kernel",
+        "key/kernel",
+        "value/kernel",
+        "attention_output/kernel",
+        "kernel",
+    } == names
+
+
+@keras.saving.register_keras_serializable(package="test_srste")
+class SubclassedNet(keras.Model):
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.hidden = SRSTE(keras.layers.Dense(units, activation="relu"), decay=1e-3)
+        self.head = SRSTE(keras.layers.Dense(4), "1:4")
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def test_subclassed_model_with_srste_layers_copies_through_prune():
+    net = SubclassedNet()
+    x = np.random.default_rng(5).normal(size=(3, 16)).astype("float32")
+    net(x)
+    copy = tf_sparse24.prune(net)
+    layers = tf_sparse24.pruned_layers(copy)
+    assert [(type(l), l.pattern, l.decay) for l in layers] == [
+        (SRSTE, "2:4", 1e-3),
+        (SRSTE, "1:4", 2e-4),
+    ]
+    w1, b1 = net.hidden.layer.kernel.numpy(), net.hidden.layer.bias.numpy()
+    w2, b2 = net.head.layer.kernel.numpy(), net.head.layer.bias.numpy()
+    hidden = np.maximum(x @ (w1 * np_mask(w1, "2:4", 0)) + b1, 0)
+    np.testing.assert_allclose(
+        copy(x), hidden @ (w2 * np_mask(w2, "1:4", 0)) + b2, rtol=1e-5, atol=1e-5
+    )

@@ -49,10 +49,18 @@ class SRSTE(Sparse24):
         >>> model.compile("sgd", "mse"); model.fit(x, y)   # masks move with the weights
     """
 
-    def __init__(self, layer, pattern: str = "2:4", weights: dict | None = None,
-                 decay: float = DEFAULT_DECAY, **kwargs):
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
-            math.isfinite(decay) and decay >= 0
+    def __init__(
+        self,
+        layer,
+        pattern: str = "2:4",
+        weights: dict | None = None,
+        decay: float = DEFAULT_DECAY,
+        **kwargs,
+    ):
+        if (
+            isinstance(decay, bool)
+            or not isinstance(decay, (int, float))
+            or not (math.isfinite(decay) and decay >= 0)
         ):
             raise ValueError(
                 f"SRSTE({layer.name!r}): decay must be a finite number >= 0. Received: decay={decay!r}"
@@ -60,6 +68,7 @@ class SRSTE(Sparse24):
         kwargs.setdefault("name", f"srste_{layer.name}")
         super().__init__(layer, pattern, weights, **kwargs)
         self.decay = float(decay)
+        self._masks_this_call = None
 
     def current_mask(self, pw: PrunedWeight) -> tf.Tensor:
         """The N:M magnitude mask of the variable's current value (compute dtype)."""
@@ -68,23 +77,28 @@ class SRSTE(Sparse24):
     def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
         """`variable * current_mask`, with a straight-through (identity) gradient to the variable."""
         value = pw.variable.value
-        masked = value * self.current_mask(pw)
+        mask = (self._masks_this_call or {}).get(id(pw.variable))
+        masked = value * (self.current_mask(pw) if mask is None else mask)
         return value + tf.stop_gradient(masked - value)  # exactly `masked`: v + (0 or -v)
 
     def call(self, *args, training=None, **kwargs):
         # `training` is declared so Keras resolves it here; the wrapped layer inherits it from the
         # call context, so it is not forwarded (layers without a `training` argument would reject it).
+        masks = {id(pw.variable): self.current_mask(pw) for pw in self.pruned_weights}
         if training:
             decay = []
             for pw in self.pruned_weights:
-                value = pw.variable.value
-                mask = self.current_mask(pw)
+                mask = masks[id(pw.variable)]
                 pw.mask.assign(tf.cast(mask, pw.mask.dtype))
-                pruned = tf.cast((1 - mask) * value, "float32")
+                pruned = tf.cast((1 - mask) * pw.variable.value, "float32")
                 decay.append(tf.reduce_sum(tf.square(pruned)))
             if self.decay and decay:
                 self.add_loss(0.5 * self.decay * tf.add_n(decay))
-        return super().call(*args, **kwargs)
+        self._masks_this_call = masks  # computed once per call; `effective_weight` reuses them
+        try:
+            return super().call(*args, **kwargs)
+        finally:
+            self._masks_this_call = None
 
     def get_config(self):
         return {**super().get_config(), "decay": self.decay}
