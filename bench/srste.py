@@ -12,6 +12,7 @@ relative to dense, and how many kept positions differ from the masks of the init
 
     .venv/bin/python bench/srste.py                   # digits MLP + MNIST CNN, 3 seeds
     .venv/bin/python bench/srste.py --quick           # 1 seed, halved epochs
+    .venv/bin/python bench/srste.py --step-cost       # interleaved ms/step: dense, Sparse24, SRSTE
 """
 
 from __future__ import annotations
@@ -135,6 +136,50 @@ def run(spec: dict, seed: int) -> dict:
     return out
 
 
+def step_cost(repeats: int = 15, jit: bool = False) -> None:
+    """Training-step time of a 512-512-512-16 MLP (batch 64): dense vs fixed masks vs SR-STE.
+
+    The three models alternate in every repeat, so machine load hits them alike; medians.
+    """
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 512)).astype("float32"), rng.normal(size=(64, 16)).astype("float32")
+
+    def mlp():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [
+                keras.Input((512,)),
+                keras.layers.Dense(512, activation="relu"),
+                keras.layers.Dense(512, activation="relu"),
+                keras.layers.Dense(16),
+            ]
+        )
+
+    models = {
+        "dense": mlp(),
+        "Sparse24 (fixed masks)": tf_sparse24.prune(mlp()),
+        "SRSTE": tf_sparse24.prune(mlp(), wrapper=SRSTE),
+    }
+    for model in models.values():
+        model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=jit)
+        model.train_on_batch(x, y)
+    times = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            start = time.perf_counter()
+            for _ in range(10):
+                model.train_on_batch(x, y)
+            times[name].append((time.perf_counter() - start) / 10)
+    dense = np.median(times["dense"])
+    print(
+        f"train step, MLP 512-512-512-16, batch 64, jit_compile={jit} (median of {repeats}x10 steps)"
+    )
+    for name, values in times.items():
+        print(
+            f"  {name:<24}{np.median(values) * 1e3:8.2f} ms   {np.median(values) / dense:.2f}x dense"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 seed, halved epochs")
@@ -142,7 +187,12 @@ def main() -> None:
     parser.add_argument(
         "--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)"
     )
+    parser.add_argument("--step-cost", action="store_true", help="only the step-time comparison")
     args = parser.parse_args()
+    if args.step_cost:
+        step_cost(jit=False)
+        step_cost(jit=True)
+        return
     seeds = range(args.seeds or (1 if args.quick else 3))
     rows = {}
     for task in args.tasks.split(","):
