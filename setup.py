@@ -29,7 +29,7 @@ ISA_FLAGS = {
     "_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
     "_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
 }
-CXX_FLAGS = ["-std=c++17", "-fPIC", "-O3", "-Wall", "-Wno-sign-compare"]
+CXX_FLAGS = ["-std=c++17", "-fPIC", "-O3", "-Wall", "-Wno-sign-compare", "-Wno-deprecated-declarations"]
 
 
 def _cpu_sources() -> list[str]:
