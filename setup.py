@@ -167,7 +167,9 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "scikit-learn", "matplotlib"],
+        "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "scikit-learn", "matplotlib",
+                 # the real cusparseLt.h, so CI checks our dlopen declarations against it
+                 "nvidia-cusparselt-cu12>=0.6"],
         # Peers for comparison scripts only; imported in separate processes, never by the package.
         "compare": ["tensorflow-model-optimization==0.8.*", "tf-keras==2.21.*"],
         "gpu": ["nvidia-cusparselt-cu12>=0.6"],

@@ -299,6 +299,12 @@ def _installed_cusparselt_header() -> str | None:
     return None
 
 
+def _tf_cuda_include() -> str:
+    import tensorflow as tf
+
+    return os.path.join(tf.sysconfig.get_include(), "third_party", "gpus", "cuda", "include")
+
+
 def test_cusparselt_declarations_match_the_real_header(nvcc: str) -> None:
     header = _installed_cusparselt_header()
     if header is None:
@@ -316,6 +322,9 @@ def test_cusparselt_declarations_match_the_real_header(nvcc: str) -> None:
             f"-I{os.path.dirname(header)}",
             f"-I{cuda_include}",
             "-I/usr/local/cuda/include",
+            # cusparseLt.h includes cusparse.h: a toolkit with only nvcc lacks it, the full
+            # tensorflow package ships it with its bundled CUDA headers.
+            f"-I{_tf_cuda_include()}",
             "cc/sparse24/cusparselt_abi_check.cc",
         ]
     )
