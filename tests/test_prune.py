@@ -79,6 +79,17 @@ def test_functional_prune_is_a_new_model_equal_to_masked_original():
     assert len(shared) == 1 and len(shared[0].pruned_weights) == 1
 
 
+def test_functional_model_with_op_nodes_prunes_and_strips():
+    """Tensor slicing in a Functional graph becomes a stateless `GetItem` node, not a Layer."""
+    inp = keras.Input((6, 8))
+    h = keras.layers.Dense(8, name="first")(inp)[:, 0]
+    model = keras.Model(inp, keras.layers.Dense(4, name="last")(h))
+    pruned = ts.prune(model)
+    reference = masked_copy(model, {"first": {"kernel": 0}, "last": {"kernel": 0}})
+    np.testing.assert_allclose(pruned(X), reference(X), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ts.strip(pruned)(X), reference(X), rtol=1e-5, atol=1e-6)
+
+
 def test_strip_gives_plain_model_with_exact_24_weights():
     pruned = ts.prune(functional_model())
     pruned.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", run_eagerly=True)

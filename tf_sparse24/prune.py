@@ -105,9 +105,13 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
 
 
 def _copy_layer(layer):
-    """A fresh instance of `layer` with the same config, build and weights."""
+    """A fresh instance of `layer` with the same config, build and weights.
+
+    Functional graphs also hold stateless operations (`h[:, 0]` becomes a `GetItem` node): those
+    are copied from their config alone.
+    """
     new = layer.__class__.from_config(layer.get_config())
-    if layer.built and layer.weights:
+    if isinstance(layer, keras.layers.Layer) and layer.built and layer.weights:
         new.build_from_config(layer.get_build_config())
         new.set_weights(layer.get_weights())
     return new
