@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "cc/sparse24/gpu_kernels.h"
 #include "cc/sparse24/gpu_spmm.h"
+#include "cc/tf/sparse24_kernel_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -35,15 +36,11 @@ namespace {
 
 namespace gpu = ::sparse24::gpu;
 
-template <typename... Args>
-absl::Status InvalidArgument(const Args&... args) {
-  return absl::InvalidArgumentError(absl::StrCat(args...));
-}
-
-template <typename T> constexpr sparse24::DType ToDType();
-template <> constexpr sparse24::DType ToDType<float>() { return sparse24::DType::kFloat32; }
-template <> constexpr sparse24::DType ToDType<bfloat16>() { return sparse24::DType::kBFloat16; }
-template <> constexpr sparse24::DType ToDType<Eigen::half>() { return sparse24::DType::kFloat16; }
+using sparse24_kernels::CheckCompressed;
+using sparse24_kernels::CheckDense;
+using sparse24_kernels::InvalidArgument;
+using sparse24_kernels::MatMulShapes;
+using sparse24_kernels::ToDType;
 
 cudaStream_t StreamOf(OpKernelContext* ctx) {
   return reinterpret_cast<cudaStream_t>(
@@ -82,21 +79,6 @@ unsigned long long* SlotData(const Tensor& slots) {
   return static_cast<unsigned long long*>(RawData(slots));
 }
 
-// (values [N, K/2], meta [N, ceil(K/8)]) for K.
-absl::Status CheckCompressedShapes(const char* op, const Tensor& values, const Tensor& meta,
-                                   int64_t k) {
-  if (k % 4 != 0) {
-    return InvalidArgument(op, ": K (the reduction size) must be a multiple of 4, got K=", k);
-  }
-  if (values.dims() != 2 || meta.dims() != 2 || values.dim_size(1) != k / 2 ||
-      meta.dim_size(0) != values.dim_size(0) || meta.dim_size(1) != (k + 7) / 8) {
-    return InvalidArgument(op, ": for K=", k, " values must be [N, ", k / 2, "] and meta [N, ",
-                           (k + 7) / 8, "] with the same N, got values ",
-                           values.shape().DebugString(), " and meta ", meta.shape().DebugString());
-  }
-  return absl::OkStatus();
-}
-
 // Validates meta on the device; names the first bad row n and group g like format.check_meta.
 absl::Status CheckMeta(OpKernelContext* ctx, const char* op, const uint8_t* meta, int64_t k,
                        int64_t n, cudaStream_t stream) {
@@ -126,17 +108,12 @@ class Sparse24CompressGpuOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dense = ctx->input(0);
-    OP_REQUIRES(ctx, dense.dims() == 2,
-                InvalidArgument("Sparse24Compress expects a 2-D [K, N] matrix, got shape ",
-                                dense.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, CheckDense(dense));
     const int64_t k = dense.dim_size(0), n = dense.dim_size(1);
-    OP_REQUIRES(ctx, k % 4 == 0,
-                InvalidArgument("Sparse24Compress: K (rows) must be a multiple of 4, got shape ",
-                                dense.shape().DebugString()));
     Tensor* values = nullptr;
     Tensor* meta = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, k / 2}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, (k + 7) / 8}), &meta));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, sparse24::meta_cols(k)}), &meta));
     if (k == 0 || n == 0) return;
     const cudaStream_t stream = StreamOf(ctx);
     Tensor slots;
@@ -167,7 +144,7 @@ class Sparse24DecompressGpuOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& values = ctx->input(0);
     const Tensor& meta = ctx->input(1);
-    OP_REQUIRES_OK(ctx, CheckCompressedShapes("Sparse24Decompress", values, meta, k_));
+    OP_REQUIRES_OK(ctx, CheckCompressed("Sparse24Decompress", values, meta, k_));
     const int64_t n = values.dim_size(0);
     Tensor* dense = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k_, n}), &dense));
@@ -208,10 +185,11 @@ class Sparse24MatMulGpuOp : public OpKernel {
     OP_REQUIRES(ctx, x.dims() >= 1,
                 InvalidArgument("Sparse24MatMul: x must be [..., K], got a scalar"));
     const int64_t k = x.dim_size(x.dims() - 1);
-    OP_REQUIRES_OK(ctx, CheckCompressedShapes("Sparse24MatMul", values, meta, k));
-    const int64_t n = values.dim_size(0), m = x.NumElements() / std::max<int64_t>(k, 1);
-    TensorShape y_shape = x.shape();
-    y_shape.set_dim(x.dims() - 1, n);
+    OP_REQUIRES_OK(ctx, CheckCompressed("Sparse24MatMul", values, meta, k));
+    const int64_t n = values.dim_size(0);
+    TensorShape y_shape;
+    int64_t m;
+    MatMulShapes(x, n, &y_shape, &m);
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y_shape, &y));
     if (y->NumElements() == 0) return;

@@ -8,6 +8,7 @@
 #include "cc/sparse24/cpu_features.h"
 #include "cc/sparse24/format.h"
 #include "cc/sparse24/spmm.h"
+#include "cc/tf/sparse24_kernel_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -15,28 +16,13 @@
 namespace tensorflow {
 namespace {
 
-// absl::InvalidArgumentError from message pieces (errors::InvalidArgument is deprecated).
-template <typename... Args>
-absl::Status InvalidArgument(const Args&... args) {
-  return absl::InvalidArgumentError(absl::StrCat(args...));
-}
+using sparse24_kernels::CheckCompressed;
+using sparse24_kernels::CheckDense;
+using sparse24_kernels::InvalidArgument;
+using sparse24_kernels::MatMulShapes;
+using sparse24_kernels::ToDType;
 
 constexpr char kIsaEnvVar[] = "TF_SPARSE24_CPU_ISA";
-
-template <typename T>
-constexpr sparse24::DType ToDType();
-template <>
-constexpr sparse24::DType ToDType<float>() {
-  return sparse24::DType::kFloat32;
-}
-template <>
-constexpr sparse24::DType ToDType<bfloat16>() {
-  return sparse24::DType::kBFloat16;
-}
-template <>
-constexpr sparse24::DType ToDType<Eigen::half>() {
-  return sparse24::DType::kFloat16;
-}
 
 std::string SupportedIsas() {
   std::string names;
@@ -72,25 +58,6 @@ sparse24::ParallelFor PoolParallelFor(OpKernelContext* ctx) {
   };
 }
 
-// Shared checks of (values [N, K/2], meta [N, ceil(K/8)]) for a given K.
-absl::Status CheckCompressed(const char* op, const Tensor& values, const Tensor& meta, int64_t k) {
-  if (k % 4 != 0) {
-    return InvalidArgument(op, ": K (the reduction size) must be a multiple of 4, got K=", k);
-  }
-  if (values.dims() != 2 || meta.dims() != 2) {
-    return InvalidArgument(op, ": values and meta must be 2-D [N, K/2] and [N, ceil(K/8)], got ",
-                           values.shape().DebugString(), " and ", meta.shape().DebugString());
-  }
-  const int64_t n = values.dim_size(0);
-  if (values.dim_size(1) != k / 2 || meta.dim_size(0) != n ||
-      meta.dim_size(1) != sparse24::meta_cols(k)) {
-    return InvalidArgument(op, ": for K=", k, " values must be [N, ", k / 2, "] and meta [N, ",
-                           sparse24::meta_cols(k), "] with the same N, got values ",
-                           values.shape().DebugString(), " and meta ", meta.shape().DebugString());
-  }
-  return absl::OkStatus();
-}
-
 template <typename T>
 class Sparse24CompressOp : public OpKernel {
  public:
@@ -98,13 +65,8 @@ class Sparse24CompressOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dense = ctx->input(0);
-    OP_REQUIRES(ctx, dense.dims() == 2,
-                InvalidArgument("Sparse24Compress expects a 2-D [K, N] matrix, got shape ",
-                                dense.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, CheckDense(dense));
     const int64_t k = dense.dim_size(0), n = dense.dim_size(1);
-    OP_REQUIRES(ctx, k % 4 == 0,
-                InvalidArgument("Sparse24Compress: K (rows) must be a multiple of 4, got ",
-                                "shape ", dense.shape().DebugString()));
     Tensor* values = nullptr;
     Tensor* meta = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, k / 2}), &values));
@@ -158,10 +120,9 @@ class Sparse24MatMulOp : public OpKernel {
     sparse24::Isa isa;
     OP_REQUIRES_OK(ctx, RequestedIsa(&isa));
     const int64_t n = values.dim_size(0);
-    int64_t m = 1;  // rows of x: product of its batch dims (NumElements / K is 0 when K = 0)
-    for (int d = 0; d + 1 < x.dims(); ++d) m *= x.dim_size(d);
-    TensorShape y_shape = x.shape();
-    y_shape.set_dim(x.dims() - 1, n);
+    TensorShape y_shape;
+    int64_t m;
+    MatMulShapes(x, n, &y_shape, &m);
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y_shape, &y));
     if (y->NumElements() == 0) return;

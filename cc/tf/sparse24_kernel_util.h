@@ -1,0 +1,83 @@
+// Checks and type mapping shared by the CPU and GPU kernels of the Sparse24 ops, so both devices
+// accept the same inputs and word their errors the same way.
+#ifndef TF_SPARSE24_CC_TF_SPARSE24_KERNEL_UTIL_H_
+#define TF_SPARSE24_CC_TF_SPARSE24_KERNEL_UTIL_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "cc/sparse24/dtype.h"
+#include "cc/sparse24/format.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace tensorflow {
+namespace sparse24_kernels {
+
+// absl::InvalidArgumentError from message pieces (errors::InvalidArgument is deprecated).
+template <typename... Args>
+absl::Status InvalidArgument(const Args&... args) {
+  return absl::InvalidArgumentError(absl::StrCat(args...));
+}
+
+template <typename T>
+constexpr sparse24::DType ToDType();
+template <>
+constexpr sparse24::DType ToDType<float>() {
+  return sparse24::DType::kFloat32;
+}
+template <>
+constexpr sparse24::DType ToDType<bfloat16>() {
+  return sparse24::DType::kBFloat16;
+}
+template <>
+constexpr sparse24::DType ToDType<Eigen::half>() {
+  return sparse24::DType::kFloat16;
+}
+
+// Sparse24Compress input: a 2-D [K, N] matrix with K a multiple of 4.
+inline absl::Status CheckDense(const Tensor& dense) {
+  if (dense.dims() != 2) {
+    return InvalidArgument("Sparse24Compress expects a 2-D [K, N] matrix, got shape ",
+                           dense.shape().DebugString());
+  }
+  if (dense.dim_size(0) % 4 != 0) {
+    return InvalidArgument("Sparse24Compress: K (rows) must be a multiple of 4, got shape ",
+                           dense.shape().DebugString());
+  }
+  return absl::OkStatus();
+}
+
+// (values [N, K/2], meta [N, ceil(K/8)]) for a given K.
+inline absl::Status CheckCompressed(const char* op, const Tensor& values, const Tensor& meta,
+                                    int64_t k) {
+  if (k % 4 != 0) {
+    return InvalidArgument(op, ": K (the reduction size) must be a multiple of 4, got K=", k);
+  }
+  if (values.dims() != 2 || meta.dims() != 2) {
+    return InvalidArgument(op, ": values and meta must be 2-D [N, K/2] and [N, ceil(K/8)], got ",
+                           values.shape().DebugString(), " and ", meta.shape().DebugString());
+  }
+  if (values.dim_size(1) != k / 2 || meta.dim_size(0) != values.dim_size(0) ||
+      meta.dim_size(1) != sparse24::meta_cols(k)) {
+    return InvalidArgument(op, ": for K=", k, " values must be [N, ", k / 2, "] and meta [N, ",
+                           sparse24::meta_cols(k), "] with the same N, got values ",
+                           values.shape().DebugString(), " and meta ", meta.shape().DebugString());
+  }
+  return absl::OkStatus();
+}
+
+// Sparse24MatMul's x [..., K] (at least 1-D): the output shape [..., N] and the row count M, the
+// product of the batch dims (NumElements / K would be 0 when K = 0).
+inline void MatMulShapes(const Tensor& x, int64_t n, TensorShape* y_shape, int64_t* m) {
+  *m = 1;
+  for (int d = 0; d + 1 < x.dims(); ++d) *m *= x.dim_size(d);
+  *y_shape = x.shape();
+  y_shape->set_dim(x.dims() - 1, n);
+}
+
+}  // namespace sparse24_kernels
+}  // namespace tensorflow
+
+#endif  // TF_SPARSE24_CC_TF_SPARSE24_KERNEL_UTIL_H_
