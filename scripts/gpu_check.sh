@@ -29,20 +29,20 @@ NVCC=${NVCC:-$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")}
 BUILD=${GPU_CHECK_BUILD:-build/gpu_check}
 LOG_DIR=${OUT:-$BUILD}
 
-# First file matching one of the names: nvidia wheels in the Python environment, then CUDA_HOME,
+# First file matching one of the names: nvidia wheels on the Python path, then CUDA_HOME,
 # then the loader cache. Prints nothing if none is found.
 find_file() {
   "$PYTHON" - "$CUDA_HOME" "$@" <<'EOF' 2>/dev/null || true
 import glob, os, site, subprocess, sys, sysconfig
 cuda_home, names = sys.argv[1], sys.argv[2:]
-roots = []
+# Python's own import order first (PYTHONPATH before site-packages), then site dirs it may lack.
+roots = [p for p in sys.path if p]
 for getter in (site.getsitepackages, lambda: [site.getusersitepackages()],
                lambda: [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]):
     try:
         roots += [r for r in getter() if r not in roots]
     except Exception:
         pass
-roots += [p for p in sys.path if p and p not in roots]
 for name in names:
     for root in roots:
         for sub in ("nvidia/*/lib", "nvidia/*/include", "nvidia/lib", "nvidia/include"):
@@ -76,12 +76,12 @@ fi
 if [[ -z "${GPU_CHECK_BIN:-}" && ! -x "$NVCC" ]]; then echo "gpu_check: nvcc not found (set NVCC or CUDA_HOME)"; exit 3; fi
 
 mkdir -p "$BUILD" "$LOG_DIR"
-CXX=${CXX:-g++}
-if [[ -n "$LT_HEADER" ]] && command -v "$CXX" >/dev/null; then
+if [[ -n "$LT_HEADER" && -x "$NVCC" ]]; then
   # Our own declarations of the cuSPARSELt API (cc/sparse24/cusparselt.h) against the real header;
-  # a mismatch stops here, before anything calls the library through wrong declarations.
-  "$CXX" -std=c++17 -fsyntax-only -I. -I"$(dirname "$LT_HEADER")" -I"$CUDA_HOME/include" \
-      -I"$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include" cc/sparse24/cusparselt_abi_check.cc
+  # a mismatch stops here, before anything calls the library through wrong declarations. nvcc
+  # compiles it as host C++ so its own CUDA include directories come after ours.
+  "$NVCC" -std=c++17 -x c++ -c -o /dev/null -I. -I"$(dirname "$LT_HEADER")" \
+      -I"$CUDA_HOME/include" cc/sparse24/cusparselt_abi_check.cc
   echo "cusparselt ABI check: ok (cc/sparse24/cusparselt.h matches $LT_HEADER)"
 fi
 HARNESS=${GPU_CHECK_BIN:-$BUILD/gpu_check}  # GPU_CHECK_BIN: a prebuilt harness (tests use it)

@@ -243,7 +243,9 @@ def test_harness_loads_libraries_found_by_the_script(build: dict, tmp_path) -> N
         "PYTHON": sys.executable,
         "GPU_CHECK_BIN": build["harness"],
         "OUT": str(tmp_path / "out"),
-        "CUDA_HOME": str(tmp_path),
+        # headers only (cusparse.h for the script's ABI check when cusparseLt.h is installed), no
+        # libraries, so the stand-ins above are what the script finds
+        "CUDA_HOME": os.path.dirname(_tf_cuda_include()),
     }
     found = _run(["bash", "scripts/gpu_check.sh", "--find-only"], env=env, timeout=60)
     assert found.returncode == 0, found.stdout + found.stderr
@@ -256,6 +258,8 @@ def test_harness_loads_libraries_found_by_the_script(build: dict, tmp_path) -> N
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert "sizes 8192;" in dry.stdout and "batches 1 8;" in dry.stdout
     assert f"cuBLAS: loaded {cublas}" in dry.stdout and "no GPU work done" in dry.stdout
+    if _installed_cusparselt_header():  # the script's own ABI check ran against the real header
+        assert "cusparselt ABI check: ok" in dry.stdout
     with open(tmp_path / "out" / "gpu_check.log") as f:  # the log mirrors stdout
         assert "no GPU work done" in f.read()
 
