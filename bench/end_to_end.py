@@ -93,7 +93,8 @@ def build(kind: str, keras):
             a = _dense_attention(x, b, keras)
         x = L.LayerNormalization(name=f"ln{b}a")(L.Add()([x, a]))
         h = L.Dense(FFN, activation="gelu", name=f"ffn{b}_1")(x)
-        x = L.LayerNormalization(name=f"ln{b}b")(L.Add()([x, L.Dense(D_MODEL, name=f"ffn{b}_2")(h)]))
+        y = L.Dense(D_MODEL, name=f"ffn{b}_2")(h)
+        x = L.LayerNormalization(name=f"ln{b}b")(L.Add()([x, y]))
     return keras.Model(inputs, x, name=kind), [SEQ, D_MODEL]
 
 
@@ -167,7 +168,7 @@ def main() -> None:
         mem = {k: memory(d, k == "ours", [1, *shape], mem_repeats) for k, d in dirs.items()}
         for batch in args.batches:
             x = tf.constant(rng.standard_normal((batch, *shape)).astype(np.float32))
-            call = {k: (lambda f=f, n=names[k]: next(iter(f(**{n: x}).values())).numpy())
+            call = {k: (lambda f=f, n=names[k], x=x: next(iter(f(**{n: x}).values())).numpy())
                     for k, f in fns.items()}
             err = float(np.abs(call["ours"]() - call["dense"]()).max())
             for _ in range(2):
