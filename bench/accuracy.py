@@ -29,6 +29,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+from workflow import accuracy, compile_model  # noqa: E402  (examples/workflow.py)
+
 METHODS = ["dense", "one-shot 2:4", "2:4 fine-tuned", "perm one-shot", "perm fine-tuned", "tfmot fine-tuned"]
 
 
@@ -63,15 +65,6 @@ def _mnist_model(k):
     ], name="mnist_cnn")
 
 
-def _compile(model, lr, k):
-    model.compile(k.optimizers.Adam(lr), k.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-
-
-def _accuracy(model, x, y) -> float:
-    return 100.0 * float(np.mean(np.argmax(model.predict(x, batch_size=512, verbose=0), axis=1) == y))
-
-
 def _fit(model, x, y, spec, epochs, callbacks=()) -> float:
     """Trains and returns seconds per epoch."""
     start = time.perf_counter()
@@ -87,9 +80,9 @@ def run_ours(task: str, seed: int, spec: dict, weights_path: str) -> dict:
     keras.utils.set_random_seed(seed)
     x_train, x_test, y_train, y_test = spec["load"](seed)
     dense = spec["build"](keras)
-    _compile(dense, spec["lr"], keras)
+    compile_model(dense, spec["lr"], keras)
     out = {"sec/epoch dense": _fit(dense, x_train, y_train, spec, spec["epochs"])}
-    out["dense"] = _accuracy(dense, x_test, y_test)
+    out["dense"] = accuracy(dense, x_test, y_test)
     np.savez(weights_path, *dense.get_weights())
     pruned_names = None
     for prefix, source in (("", dense), ("perm ", None)):
@@ -102,10 +95,10 @@ def run_ours(task: str, seed: int, spec: dict, weights_path: str) -> dict:
         keras.utils.set_random_seed(seed)
         pruned = tf_sparse24.prune(source)
         pruned_names = [w.layer.name for w in tf_sparse24.pruned_layers(pruned)]
-        out[f"{prefix}one-shot" if prefix else "one-shot 2:4"] = _accuracy(pruned, x_test, y_test)
-        _compile(pruned, spec["lr"] / 10, keras)
+        out[f"{prefix}one-shot" if prefix else "one-shot 2:4"] = accuracy(pruned, x_test, y_test)
+        compile_model(pruned, spec["lr"] / 10, keras)
         secs = _fit(pruned, x_train, y_train, spec, spec["finetune"], [tf_sparse24.Sparse24Callback()])
-        out[f"{prefix}fine-tuned" if prefix else "2:4 fine-tuned"] = _accuracy(pruned, x_test, y_test)
+        out[f"{prefix}fine-tuned" if prefix else "2:4 fine-tuned"] = accuracy(pruned, x_test, y_test)
         out.setdefault("sec/epoch 2:4 fine-tune", secs)
     out["pruned layers"] = pruned_names
     return out
@@ -126,7 +119,7 @@ def tfmot_worker(task: str, seeds: list[int], weights: list[str], layer_names: l
         base = spec["build"](tf_keras)
         with np.load(path) as f:
             base.set_weights([f[f"arr_{i}"] for i in range(len(f.files))])
-        dense_acc = _accuracy(base, x_test, y_test)
+        dense_acc = accuracy(base, x_test, y_test)
         refused = []
 
         def wrap(layer):
@@ -143,10 +136,10 @@ def tfmot_worker(task: str, seeds: list[int], weights: list[str], layer_names: l
                 return layer
 
         model = tf_keras.models.clone_model(base, clone_function=wrap)
-        _compile(model, spec["lr"] / 10, tf_keras)
+        compile_model(model, spec["lr"] / 10, tf_keras)
         secs = _fit(model, x_train, y_train, spec, spec["finetune"], [sparsity.UpdatePruningStep()])
         stripped = sparsity.strip_pruning(model)
-        results.append({"tfmot fine-tuned": _accuracy(stripped, x_test, y_test), "tfmot dense check": dense_acc,
+        results.append({"tfmot fine-tuned": accuracy(stripped, x_test, y_test), "tfmot dense check": dense_acc,
                         "sec/epoch tfmot fine-tune": secs, "tfmot refused": refused})
     print("RESULT " + json.dumps(results))
 

@@ -14,11 +14,10 @@ import argparse
 import sys
 
 import keras
-import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-import tf_sparse24
+import workflow  # examples/workflow.py: the shared dense -> prune -> fine-tune recipe
 
 # Training budget shared with bench/accuracy.py (dense epochs; 2:4 fine-tuning epochs).
 EPOCHS, FINETUNE_EPOCHS, LR, BATCH_SIZE = 40, 20, 1e-3, 32
@@ -45,41 +44,14 @@ def build_model(k=keras) -> "keras.Model":
     )
 
 
-def compile_model(model, lr: float = LR, k=keras) -> None:
-    model.compile(k.optimizers.Adam(lr), k.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-
-
-def accuracy(model, x, y) -> float:
-    return 100.0 * float(np.mean(np.argmax(model.predict(x, batch_size=512, verbose=0), axis=1) == y))
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     keras.utils.set_random_seed(args.seed)
-    x_train, x_test, y_train, y_test = load_data(args.seed)
-
-    dense = build_model()
-    compile_model(dense)
-    dense.fit(x_train, y_train, batch_size=BATCH_SIZE, epochs=EPOCHS, verbose=0)
-    results = {"dense": accuracy(dense, x_test, y_test)}
-
-    for name, start in (("2:4", dense), ("2:4 + permutation", None)):
-        if start is None:
-            start, reports = tf_sparse24.permute(dense, progress=False, print_fn=print)
-        pruned = tf_sparse24.prune(start)
-        results[f"{name}, one-shot"] = accuracy(pruned, x_test, y_test)
-        compile_model(pruned, LR / 10)  # same optimizer at the tail of a decayed schedule's rate
-        pruned.fit(x_train, y_train, batch_size=BATCH_SIZE, epochs=FINETUNE_EPOCHS, verbose=0,
-                   callbacks=[tf_sparse24.Sparse24Callback()])
-        results[f"{name}, fine-tuned"] = accuracy(pruned, x_test, y_test)
-
-    print(f"digits MLP ({len(x_train)} train / {len(x_test)} test, seed {args.seed})")
-    for key, value in results.items():
-        print(f"  {key:<34}{value:>7.2f}%")
-    return results
+    return workflow.run(f"digits MLP, seed {args.seed}", load_data(args.seed), build_model,
+                        epochs=EPOCHS, finetune_epochs=FINETUNE_EPOCHS, lr=LR,
+                        batch_size=BATCH_SIZE)
 
 
 if __name__ == "__main__":
