@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -197,6 +198,7 @@ def main() -> None:
     for note in notes:
         print(note)
     print(f"load average {os.getloadavg()[0]:.1f} at end")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
