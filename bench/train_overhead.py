@@ -155,12 +155,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--mask-elements", type=float, default=100e6)
+    parser.add_argument("--mask-elements", type=float, default=100e6, help="0 skips the mask bench")
     parser.add_argument("--skip-training", action="store_true")
     args = parser.parse_args(argv)
     if not args.skip_training:
         bench_training(args.repeats, args.steps)
-    bench_masks(args.mask_elements, max(3, args.repeats))
+    if args.mask_elements > 0:
+        bench_masks(args.mask_elements, max(3, args.repeats))
 
 
 if __name__ == "__main__":
