@@ -1,19 +1,15 @@
 """Builds the C++ core test (cc/sparse24/core_test.cc) with ASan + UBSan and runs it."""
 
-import concurrent.futures
 import glob
 import os
 import shutil
 import subprocess
 
 import pytest
+from cc_build import compile_objects
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join(ROOT, "cc", "sparse24")
-ISA_FLAGS = {
-    "_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
-    "_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-}
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 
 
@@ -34,32 +30,10 @@ def core_test_binary(tmp_path_factory) -> str:
     if shutil.which(cxx) is None:
         pytest.fail(f"the C++ core test needs a C++ compiler; {cxx!r} is not on PATH")
     out = tmp_path_factory.mktemp("core_test")
-
-    def compile_one(src: str) -> str:
-        obj = str(out / (os.path.basename(src) + ".o"))
-        flags = next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
-        cmd = [
-            cxx,
-            "-std=c++17",
-            "-O0",
-            "-g",
-            "-Wall",
-            *SANITIZE,
-            *flags,
-            f"-I{ROOT}",
-            "-c",
-            src,
-            "-o",
-            obj,
-        ]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        return obj
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        try:
-            objects = list(pool.map(compile_one, core_sources()))
-        except subprocess.CalledProcessError as e:
-            pytest.fail(f"compiling the core test failed:\n{' '.join(e.cmd)}\n{e.stderr[-4000:]}")
+    try:
+        objects = compile_objects(core_sources(), str(out), ["-O0", "-g", *SANITIZE], cxx=cxx)
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"compiling the core test failed:\n{' '.join(e.cmd)}\n{e.stderr[-4000:]}")
     binary = str(out / "core_test")
     subprocess.run([cxx, *SANITIZE, *objects, "-o", binary], check=True)
     return binary

@@ -17,7 +17,6 @@ import concurrent.futures
 import fcntl
 import glob
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -25,6 +24,7 @@ import sys
 import sysconfig
 
 import pytest
+from cc_build import load_setup_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUSPARSELT_SYMBOLS = [
@@ -47,19 +47,6 @@ CUSPARSELT_SYMBOLS = [
     "cusparseLtSpMMACompress2",
 ]
 CUBLAS_SYMBOLS = ["cublasCreate_v2", "cublasSetStream_v2", "cublasGemmEx"]
-
-
-def _load_setup_module(monkeypatch: pytest.MonkeyPatch):
-    """setup.py as a module (its setup() call neutralised), for its GPU build commands."""
-    import setuptools
-
-    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
-    spec = importlib.util.spec_from_file_location(
-        "tf_sparse24_setup", os.path.join(ROOT, "setup.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +87,7 @@ def build(nvcc: str) -> dict:
     """
     import tensorflow as tf
 
-    mp = pytest.MonkeyPatch()
-    try:
-        setup = _load_setup_module(mp)
-    finally:
-        mp.undo()
+    setup = load_setup_module()
     flags = tf.sysconfig.get_compile_flags()
     cache = os.path.join(ROOT, "build", "test_gpu_build")
     os.makedirs(cache, exist_ok=True)

@@ -8,7 +8,6 @@ matrix (tf_sparse24.format, the format's definition).
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import glob
 import hashlib
@@ -23,21 +22,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from cc_build import compile_objects
 
 from tf_sparse24 import format as fmt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ISA_FLAGS = {  # same per-file flags as setup.py
-    "_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
-    "_avx512.cc": [
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mfma",
-        "-mf16c",
-    ],
-}
 ISAS = {"scalar": 1, "avx2": 2, "avx512": 3}  # sparse24::Isa values
 DTYPES = {np.float32: 0, ml_dtypes.bfloat16: 1, np.float16: 2}
 # Output rounding (half an ulp, relative) per dtype; accumulation is float32 in every variant.
@@ -59,28 +48,7 @@ def _build(out_dir: str) -> str:
     if os.path.exists(lib_path):
         return lib_path
     tmp = tempfile.mkdtemp(dir=out_dir)
-
-    def compile_one(src: str) -> str:
-        obj = os.path.join(tmp, os.path.basename(src) + ".o")
-        flags = next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
-        cmd = [
-            "g++",
-            "-std=c++17",
-            "-O2",
-            "-fPIC",
-            "-Wall",
-            *flags,
-            f"-I{ROOT}",
-            "-c",
-            src,
-            "-o",
-            obj,
-        ]
-        subprocess.run(cmd, check=True, capture_output=True)
-        return obj
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        objs = list(pool.map(compile_one, srcs))
+    objs = compile_objects(srcs, tmp, ["-O2", "-fPIC"])
     subprocess.run(
         ["g++", "-shared", *objs, "-o", os.path.join(tmp, "lib.so"), "-lpthread"],
         check=True,
