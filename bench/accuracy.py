@@ -196,7 +196,7 @@ def print_table(table: dict, spec_epochs: dict) -> None:
         ft = np.mean([r["2:4 fine-tuned"] for r in runs])
         print(f"{task:<18}" + "".join(f"{c:>19}" for c in cells)
               + f"{ft - np.mean([r['dense'] for r in runs]):>+11.2f}{ft - np.mean([r['tfmot fine-tuned'] for r in runs]):>+11.2f}")
-    print(f"\nTraining time, seconds per epoch (median over seeds)")
+    print("\nTraining time, seconds per epoch (median over seeds)")
     print(f"{'task':<18}{'epochs dense/FT':>16}{'dense':>9}{'2:4 FT (ours)':>15}{'tfmot FT':>10}{'permute s':>11}")
     for task, runs in table.items():
         med = lambda k: float(np.median([r[k] for r in runs]))  # noqa: E731
