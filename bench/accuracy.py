@@ -41,7 +41,7 @@ def task_spec(name: str, quick: bool) -> dict:
     if name == "mnist_cnn":
         module = importlib.import_module("mnist_2to4")
         spec = dict(load=lambda seed: module.load_data(seed, None), epochs=8, finetune=3, lr=1e-3, batch=64)
-        spec["build"] = lambda k: _mnist_model(k)
+        spec["build"] = module.build_model
     else:
         module = importlib.import_module(name)
         spec = dict(load=module.load_data, build=module.build_model, epochs=module.EPOCHS,
@@ -49,20 +49,6 @@ def task_spec(name: str, quick: bool) -> dict:
     if quick:
         spec["epochs"], spec["finetune"] = max(1, spec["epochs"] // 2), max(1, spec["finetune"] // 2)
     return spec
-
-
-def _mnist_model(k):
-    """examples/mnist_2to4.py's CNN, buildable with Keras 3 or tf_keras."""
-    return k.Sequential([
-        k.Input((28, 28, 1)),
-        k.layers.Conv2D(16, 3, activation="relu", name="conv1"),
-        k.layers.MaxPooling2D(),
-        k.layers.Conv2D(32, 3, activation="relu", name="conv2"),
-        k.layers.MaxPooling2D(),
-        k.layers.Flatten(),
-        k.layers.Dense(64, activation="relu", name="fc1"),
-        k.layers.Dense(10, name="logits"),
-    ], name="mnist_cnn")
 
 
 def _fit(model, x, y, spec, epochs, callbacks=()) -> float:

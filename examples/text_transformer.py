@@ -86,9 +86,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     keras.utils.set_random_seed(args.seed)
-    return workflow.run(f"text transformer, Rotten Tomatoes, seed {args.seed}", load_data(args.seed), build_model,
-                        epochs=EPOCHS, finetune_epochs=FINETUNE_EPOCHS, lr=LR,
-                        batch_size=BATCH_SIZE)
+    return workflow.run(f"text transformer, Rotten Tomatoes, seed {args.seed}",
+                        load_data(args.seed), build_model, epochs=EPOCHS,
+                        finetune_epochs=FINETUNE_EPOCHS, lr=LR, batch_size=BATCH_SIZE)
 
 
 if __name__ == "__main__":

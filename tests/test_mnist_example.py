@@ -7,10 +7,12 @@ import numpy as np
 
 import tf_sparse24 as ts
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "mnist_2to4.py")
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+EXAMPLE = os.path.join(EXAMPLES, "mnist_2to4.py")
 
 
-def test_mnist_example_tiny(capsys):
+def test_mnist_example_tiny(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)  # as when run as a script: its folder is on sys.path
     spec = importlib.util.spec_from_file_location("mnist_2to4", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
