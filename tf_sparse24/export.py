@@ -12,12 +12,18 @@ Modes:
   `tf.saved_model.load` without this package serve it. Each pruned kernel is decompressed once,
   when the SavedModel loads (`tf_sparse24.portable.decompress` in a resource initializer), into an
   in-memory dense kernel: small on disk, dense speed and dense memory when serving.
-* `accelerated`: `keras.layers.Dense` layers of Functional and Sequential models (nested ones too)
-  multiply with `Sparse24MatMul` on the compressed weights at every call (compressed in memory).
-  Every other pruned kernel (Conv, the EinsumDense projections of MultiHeadAttention, RNN kernels,
-  Dense layers of subclassed models) is decompressed at load with `Sparse24Decompress`. Loading
-  needs the op library (`import tf_sparse24`; TF Serving: link `//cc:sparse24_ops`). The metadata
-  records, per weight, `kernel`: "sparse24_matmul" or "dense_at_load".
+* `accelerated`: every pruned kernel of a `keras.layers.Dense` layer, and of a
+  `keras.layers.EinsumDense` whose equation is a matmul after reshapes (`einsum_matmul`; this
+  includes the query/key/value/output projections of `MultiHeadAttention`), is multiplied with
+  `Sparse24MatMul` on the compressed weights at every call (compressed in memory). This holds
+  wherever the layer is called: Functional, Sequential and subclassed models, nested models,
+  custom layers, `Sparse24` wrappers. While `serve` is traced, each such layer's `call` is replaced
+  (an instance attribute, removed again after the trace) by one that runs `Sparse24MatMul` then
+  the layer's bias and activation. Every other pruned kernel (Conv, RNN kernels, LoRA or quantized
+  Dense, other EinsumDense equations, a kernel also read outside its layer's call) is decompressed
+  at load with `Sparse24Decompress`. Loading needs the op library (`import tf_sparse24`; TF
+  Serving: link `//cc:sparse24_ops`). The metadata records, per weight, `kernel`:
+  "sparse24_matmul" or "dense_at_load".
 
 Example:
     >>> tf_sparse24.export(pruned_model, "models/mnist/1")
@@ -27,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -251,19 +258,6 @@ def nonstock_ops(ops: set[str]) -> set[str]:
 # --- Finding and compressing the 2:4 weights --------------------------------------------------
 
 
-def _walk_layers(model: keras.layers.Layer):
-    """Every layer reachable through `.layers` (nested models included), each once."""
-    seen = set()
-    stack = list(reversed(getattr(model, "layers", [])))
-    while stack:
-        layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        yield layer
-        stack.extend(reversed(getattr(layer, "layers", [])))
-
-
 def _compress(name: str, value: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     try:
         return fmt.compress(fmt.to_2d(value, axis))
@@ -272,12 +266,18 @@ def _compress(name: str, value: np.ndarray, axis: int) -> tuple[np.ndarray, np.n
 
 
 def _sparse_weights(model: keras.Model) -> list[_Sparse]:
-    """The pruned weights of all wrappers, then the exactly-2:4 eligible kernels of plain layers."""
+    """In model order: the pruned weights of wrappers, the exactly-2:4 eligible kernels of plain
+    layers."""
+    from tf_sparse24.prune import _walk  # noqa: PLC0415
     from tf_sparse24.registry import eligible_weights  # noqa: PLC0415
     from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
 
-    layers = list(_walk_layers(model))
-    wrapped = {id(layer.layer) for layer in layers if isinstance(layer, Sparse24)}
+    layers = _walk(model)  # nested models and custom layers too; wrappers are not entered
+    wrappers = [layer for layer in layers if isinstance(layer, Sparse24)]
+    wrapped = {id(layer.layer) for layer in wrappers}
+    # A weight is compressed once: a wrapped one as its masked value, a plain one where first
+    # reached (MultiHeadAttention before its EinsumDense sublayers).
+    claimed = {id(pw.variable) for layer in wrappers for pw in layer.pruned_weights}
     found: list[_Sparse] = []
     for layer in layers:
         if isinstance(layer, Sparse24):
@@ -288,6 +288,9 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
                                      pw.axis % value.ndim, pw.pattern, values, meta))
         elif id(layer) not in wrapped and not isinstance(layer, keras.Model):
             for _, variable, axis in eligible_weights(layer):
+                if id(variable) in claimed:
+                    continue
+                claimed.add(id(variable))
                 value = variable.numpy()
                 try:
                     values, meta = fmt.compress(fmt.to_2d(value, axis))
@@ -364,27 +367,6 @@ def signature_output_names(model: keras.Model, outputs) -> list[str]:
     return [_identifier(n, f"output_{i}") for i, n in enumerate(names)]
 
 
-class _SparseDense(keras.layers.Layer):
-    """Runs a Dense layer as `Sparse24MatMul(x, values, meta) + bias` then its activation."""
-
-    def __init__(self, dense: keras.layers.Dense, stored: tuple, ops, **kwargs):
-        super().__init__(name=f"{dense.name}_sparse24", dtype=dense.dtype_policy, **kwargs)
-        self.dense = dense
-        self._stored = lambda: stored  # a closure: Keras must not track the tf.Variables
-        self._ops = ops
-
-    def compute_output_shape(self, input_shape):
-        return (*input_shape[:-1], self.dense.units)
-
-    def call(self, x):
-        values, meta = self._stored()
-        values = tf.cast(values, x.dtype)
-        y = self._ops.sparse24_matmul(x, values, meta)
-        if self.dense.use_bias:
-            y = y + tf.cast(self.dense.bias, y.dtype)
-        return self.dense.activation(y) if self.dense.activation is not None else y
-
-
 class _DenseKernel(tf.saved_model.experimental.TrackableResource):
     """A pruned kernel rebuilt once, when the SavedModel loads, into a dense resource variable.
 
@@ -414,30 +396,160 @@ class _DenseKernel(tf.saved_model.experimental.TrackableResource):
         return tf.raw_ops.ReadVariableOp(resource=self.resource_handle, dtype=self._values.dtype)
 
 
-def _runs_sparse(item: _Sparse) -> bool:
-    layer = item.layer
-    return (
-        type(layer) is keras.layers.Dense
-        and item.variable is layer.kernel  # a Variable only without LoRA / quantization
-        and not getattr(layer, "lora_enabled", False)
-        and getattr(layer, "quantization_mode", None) is None
-    )
+def einsum_matmul(equation: str) -> int | None:
+    """How many leading kernel axes an EinsumDense equation contracts, if it is a plain matmul.
+
+    A plain matmul after reshapes: the contracted kernel axes lead the kernel, the input ends with
+    them in the same order, and the output is the input's free axes then the kernel's free axes
+    ("abc,cde->abde", "abcd,cde->abe", "...b,bc->...c"). Then `y = reshape(reshape(x, [..., K])
+    @ W[K, N], [..., *free kernel dims])`, with W the `format.to_2d` view. Other equations
+    (transposed outputs, axes shared by input, kernel and output) return None.
+    """
+    match = re.fullmatch(r"((?:\.\.\.)?[a-zA-Z]*),([a-zA-Z]+)->((?:\.\.\.)?[a-zA-Z]*)",
+                         equation.replace(" ", ""))
+    if match is None:
+        return None
+    inputs, kernel, output = match.groups()
+    contracted = next((i for i, c in enumerate(kernel) if c in output), len(kernel))
+    lead, free = kernel[:contracted], kernel[contracted:]
+    letters = inputs.replace(".", "")
+    if (
+        not lead
+        or len(set(letters)) != len(letters)
+        or len(set(kernel)) != len(kernel)
+        or not inputs.endswith(lead)
+        or output != inputs[: len(inputs) - len(lead)] + free
+        or set(free) & set(letters)
+    ):
+        return None
+    return len(lead)
 
 
-def _accelerated_model(model: keras.Model, stored: dict[int, tuple], ops) -> keras.Model:
-    """A Functional view of `model` (same layers, no copies) whose listed Dense layers run
-    sparse."""
-    from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
+@dataclasses.dataclass
+class _SparseCall:
+    """A replacement `call` for one Dense / EinsumDense layer: `Sparse24MatMul` on the stored
+    `values` / `meta`, then the layer's own bias and activation (as Keras' `call` adds them)."""
 
-    def call_function(layer, *args, **kwargs):
-        inner = layer.layer if isinstance(layer, Sparse24) else layer
-        if id(inner) in stored and not kwargs:
-            return _SparseDense(inner, stored[id(inner)], ops)(*args)
-        return layer(*args, **kwargs)
+    layer: keras.layers.Layer
+    contracted: int  # leading kernel axes summed over (Dense: 1)
+    values: tf.Variable
+    meta: tf.Variable
+    ops: Any
 
-    return keras.models.clone_model(
-        model, clone_function=lambda layer: layer, call_function=call_function, recursive=True
-    )
+    def __call__(self, inputs, training=None):  # `training`: Keras passes it to every call
+        layer, c = self.layer, self.contracted
+        kernel_shape = list(layer.kernel.shape)
+        k, free = math.prod(kernel_shape[:c]), kernel_shape[c:]
+        x, batch = inputs, tf.shape(inputs)[:-c]
+        if c != 1:
+            x = tf.reshape(x, tf.concat([batch, [k]], axis=0))
+        y = self.ops.sparse24_matmul(x, tf.cast(self.values, x.dtype), self.meta)
+        if len(free) != 1:
+            y = tf.reshape(y, tf.concat([batch, free], axis=0))
+            y.set_shape(inputs.shape[:-c] + free)
+        if layer.bias is not None:
+            y = keras.ops.add(y, layer.bias)
+        return layer.activation(y) if layer.activation is not None else y
+
+
+def _sparse_call(item: _Sparse, values: tf.Variable, meta: tf.Variable, ops) -> _SparseCall | None:
+    """The `_SparseCall` that computes `item`'s layer from its stored form, or None if the kernel
+    belongs to no plain Dense / EinsumDense (sub)layer that is a matmul (then: dense at load)."""
+    from tf_sparse24.prune import _walk  # noqa: PLC0415
+
+    for layer in [item.layer, *_walk(item.layer)]:
+        if (
+            type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)  # not subclasses
+            and not getattr(layer, "lora_enabled", False)
+            and getattr(layer, "quantization_mode", None) is None
+            and getattr(layer, "kernel", None) is item.variable
+        ):
+            if isinstance(layer, keras.layers.EinsumDense):
+                contracted = einsum_matmul(layer.equation)
+            else:
+                contracted = 1 if item.variable.ndim == 2 else None
+            if contracted is None or contracted != item.axis + 1:
+                return None
+            return _SparseCall(layer, contracted, values, meta, ops)
+    return None
+
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def _calls_replaced(calls: list[_SparseCall]):
+    """Sets each layer's `call` to its `_SparseCall` for the duration of a trace, then restores it.
+
+    `Layer.__call__` (through `Operation.__call__`) runs `self.call`, so an instance attribute
+    takes effect wherever the layer is called: in a Functional graph, a subclassed model's `call`,
+    inside MultiHeadAttention or a `Sparse24` wrapper. `object.__setattr__` keeps Keras' attribute
+    tracking out of it. The user's layer is left exactly as it was.
+    """
+    previous = []
+    try:
+        for call in calls:
+            previous.append((call.layer, vars(call.layer).get("call", _ABSENT)))
+            object.__setattr__(call.layer, "call", call)
+        yield
+    finally:
+        for layer, old in reversed(previous):
+            if old is _ABSENT:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", old)
+
+
+def _reachable_ops(tensors) -> set[str]:
+    """Names of every op the `tensors` depend on (data and control inputs), in one graph."""
+    seen, stack = set(), [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if op.name not in seen:
+            seen.add(op.name)
+            stack += [t.op for t in op.inputs] + list(op.control_inputs)
+    return seen
+
+
+def _serving_function(model, specs, output_names, module, sparse, dense_vars, calls, decompress):
+    """`serving_default` over the module's variables: `calls[i]` runs sparse weight i with
+    `Sparse24MatMul`, every other sparse weight is read from a `_DenseKernel` rebuilt at load.
+
+    Returns `(tf.function, {i: _DenseKernel}, read)`; once traced, `read` holds the `calls` whose
+    dense kernel the outputs still depend on (read by something other than the replaced `call`).
+    """
+    caches = {
+        i: _DenseKernel(module.sparse_values[i], module.sparse_meta[i], s.k,
+                        s.variable.shape, decompress)
+        for i, s in enumerate(sparse)
+        if i not in calls
+    }  # fmt: skip
+    read = set()
+
+    def serve(*inputs):
+        mapping, stand_ins = [], {}
+        for i, s in enumerate(sparse):
+            if i in calls:
+                # Never read by a replaced call; mapped so that the Keras variable is not captured
+                # (a wrapper still computes its masked value, which nothing uses).
+                stand_ins[i] = tf.zeros(s.variable.shape, s.variable.dtype)
+                mapping.append((s.variable, stand_ins[i]))
+            else:
+                mapping.append((s.variable, caches[i].read()))
+            if s.mask is not None:
+                mapping.append((s.mask, tf.ones(s.mask.shape, s.mask.dtype)))
+        mapping += list(zip(dense_vars, (tf.identity(v) for v in module.dense)))
+        with keras.StatelessScope(state_mapping=mapping), _calls_replaced(list(calls.values())):
+            structured = pack_inputs(model, list(inputs))
+            outputs = model(structured, training=False)
+        flat = [outputs[k] for k in sorted(outputs)] if isinstance(outputs, dict) else (
+            keras.tree.flatten(outputs)
+        )
+        needed = _reachable_ops(flat)
+        read.update(i for i, t in stand_ins.items() if t.op.name in needed)
+        return dict(zip(output_names, flat))
+
+    return tf.function(serve, input_signature=specs, autograph=False), caches, read
 
 
 def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
@@ -452,47 +564,30 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
     dense_values = [v.numpy() for v in dense_vars]
     module.dense = [tf.Variable(value, trainable=False) for value in dense_values]
 
-    kernel = {id(s.variable): "dense_at_load" for s in sparse}
-    serving_model = model
-    if mode == "accelerated":
-        stored = {
-            id(s.layer): (module.sparse_values[i], module.sparse_meta[i])
-            for i, s in enumerate(sparse)
-            if _runs_sparse(s)
-        }
-        if _is_functional(model):
-            serving_model = _accelerated_model(model, stored, ops)
-            kernel.update(
-                {id(s.variable): "sparse24_matmul" for s in sparse if id(s.layer) in stored}
-            )
-    decompress = ops.sparse24_decompress if mode == "accelerated" else portable.decompress
-    caches = {
-        i: _DenseKernel(module.sparse_values[i], module.sparse_meta[i], s.k,
-                        s.variable.shape, decompress)
-        for i, s in enumerate(sparse)
-        if kernel[id(s.variable)] == "dense_at_load"
-    }  # fmt: skip
-    module.dense_kernels = list(caches.values())
-
-    def serve(*inputs):
-        mapping = []
-        for i, s in enumerate(sparse):
-            if i in caches:
-                mapping.append((s.variable, caches[i].read()))
-            if s.mask is not None:
-                mapping.append((s.mask, tf.ones(s.mask.shape, s.mask.dtype)))
-        mapping += list(zip(dense_vars, (tf.identity(v) for v in module.dense)))
-        with keras.StatelessScope(state_mapping=mapping):
-            structured = pack_inputs(model, list(inputs))
-            outputs = serving_model(structured, training=False)
-        flat = [outputs[k] for k in sorted(outputs)] if isinstance(outputs, dict) else (
-            keras.tree.flatten(outputs)
-        )
-        return dict(zip(output_names, flat))
-
     output_names = signature_output_names(model, _probe_outputs(model, specs))
-    serving = tf.function(serve, input_signature=specs, autograph=False)
+    calls = {}  # index in `sparse` -> its _SparseCall
+    if mode == "accelerated":
+        for i, s in enumerate(sparse):
+            call = _sparse_call(s, module.sparse_values[i], module.sparse_meta[i], ops)
+            if call is not None:
+                calls[i] = call
+    decompress = ops.sparse24_decompress if mode == "accelerated" else portable.decompress
+    while True:
+        serving, caches, read = _serving_function(
+            model, specs, output_names, module, sparse, dense_vars, calls, decompress
+        )
+        serving.get_concrete_function()  # traces: fills `read`
+        if not read:
+            break
+        # Something besides the layer's call reads the dense kernel (a tied weight): such a
+        # kernel is decompressed at load instead. Trace again without it.
+        calls = {i: call for i, call in calls.items() if i not in read}
+    module.dense_kernels = list(caches.values())
     module.serve = serving
+    kernel = {
+        id(s.variable): "sparse24_matmul" if i in calls else "dense_at_load"
+        for i, s in enumerate(sparse)
+    }
 
     metadata = _metadata(model, mode, specs, serving, sparse, kernel, dense_vars, dense_values)
     text = md.dumps(metadata)
