@@ -25,7 +25,7 @@ import tf_sparse24
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
 from tf_sparse24 import portable
-from tf_sparse24.export import export, graph_ops, load, nonstock_ops
+from tf_sparse24.export import einsum_matmul, export, graph_ops, load, nonstock_ops
 from tf_sparse24.metadata import ExportError
 from tf_sparse24.registry import eligible_weights
 from tf_sparse24.verify import describe, verify
@@ -340,6 +340,218 @@ def test_subclassed_model_needs_and_uses_an_input_signature(tmp_path):
     assert nonstock_ops(graph_ops(tmp_path / "1")) == {"Sparse24MatMul"}
     out = load(tmp_path / "1").signatures["serving_default"](features=tf.constant(x))
     np.testing.assert_allclose(out["output_0"].numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+# --- accelerated: Sparse24MatMul wherever a Dense or matmul-shaped EinsumDense runs ----------
+
+
+@pytest.mark.parametrize(
+    "equation, contracted",
+    [("ab,bc->ac", 1), ("abc,cd->abd", 1), ("abc,cde->abde", 1), ("abcd,cde->abe", 2),
+     ("ab,bcd->acd", 1), ("...b,bc->...c", 1), ("abc,cd->adb", None), ("abc,bcd->acd", None),
+     ("abc,dc->abd", None), ("ab,bc->ca", None), ("abc,bc->ab", None)],
+)  # fmt: skip
+def test_einsum_matmul_recognizes_plain_matmuls(equation, contracted):
+    assert einsum_matmul(equation) == contracted
+
+
+def randomize_biases(model: keras.Model, seed: int) -> None:
+    """Non-zero biases (Keras starts them at zero), so that the bias adds are checked too."""
+    rng = np.random.default_rng(seed)
+    for variable in model.variables:
+        if variable.name == "bias":
+            variable.assign(rng.standard_normal(variable.shape).astype(variable.dtype))
+
+
+def attention_model() -> keras.Model:
+    """MultiHeadAttention, then EinsumDense layers that split heads (bias over one output axis),
+    merge them (two contracted axes) and use an ellipsis, then Dense; pruned with `prune`."""
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    tokens = keras.Input((6, 16), name="tokens")
+    x = L.MultiHeadAttention(2, 8, name="mha")(tokens, tokens)
+    x = L.EinsumDense("abc,cde->abde", (None, 4, 8), bias_axes="d", name="split")(x)
+    x = L.EinsumDense("abcd,cde->abe", (None, 16), bias_axes="e", activation="relu",
+                      name="merge")(x)
+    x = L.EinsumDense("...b,bc->...c", 8, bias_axes="c", name="ellipsis")(x)
+    model = keras.Model(tokens, L.Dense(4, name="scores")(x), name="attention")
+    randomize_biases(model, 1)
+    return tf_sparse24.prune(model)
+
+
+ATTENTION_SPARSE = ["mha/query/kernel", "mha/key/kernel", "mha/value/kernel",
+                    "mha/attention_output/kernel", "split/kernel", "merge/kernel",
+                    "ellipsis/kernel", "scores/kernel"]  # fmt: skip
+
+
+class Block(keras.layers.Layer):
+    """A custom layer holding a wrapped and a plain Dense layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = Sparse24(keras.layers.Dense(16, activation="relu", name="up"))
+        self.down = keras.layers.Dense(8, name="down")
+
+    def call(self, x):
+        return x + self.down(self.up(x))
+
+
+class BlockNet(keras.Model):
+    def __init__(self):
+        super().__init__(name="block_net")
+        self.block = Block(name="block")
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def block_net(x: np.ndarray) -> tuple[keras.Model, np.ndarray]:
+    """A subclassed model with Dense layers nested in a custom layer, and its float64 output."""
+    keras.utils.set_random_seed(0)
+    model = BlockNet()
+    model(x)
+    model.block.up.update_masks()
+    for dense in (model.block.down, model.head):
+        dense.kernel.assign(prune_24(dense.kernel.numpy(), 0))
+    randomize_biases(model, 2)
+    up = model.block.up
+    w = {"up": keras.ops.convert_to_numpy(up.effective_weight(up.pruned_weights[0])),
+         "down": model.block.down.kernel.numpy(), "head": model.head.kernel.numpy()}
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    b = {k: layer.bias.numpy().astype(np.float64)
+         for k, layer in (("up", up.layer), ("down", model.block.down), ("head", model.head))}
+    x64 = x.astype(np.float64)
+    h = x64 + np.maximum(x64 @ w["up"] + b["up"], 0) @ w["down"] + b["down"]
+    return model, h @ w["head"] + b["head"]
+
+
+def op_count(export_dir, op_type: str) -> int:
+    """How many nodes of `op_type` the SavedModel's function library holds."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString((export_dir / "saved_model.pb").read_bytes())
+    return sum(node.op == op_type for graph in proto.meta_graphs
+               for f in graph.graph_def.library.function for node in f.node_def)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def everywhere(tmp_path_factory):
+    """Accelerated exports of the attention model and the subclassed BlockNet."""
+    root = tmp_path_factory.mktemp("everywhere")
+    rng = np.random.default_rng(3)
+    tokens = rng.standard_normal((3, 6, 16)).astype(np.float32)
+    features = rng.standard_normal((3, 8)).astype(np.float32)
+    attention = attention_model()
+    blocks, blocks_want = block_net(features)
+    spec = [tf.TensorSpec([None, 8], tf.float32, name="features")]
+    data = root / "data.npz"
+    np.savez(data, tokens=tokens, features=features, blocks_want=blocks_want,
+             attention_want=keras.ops.convert_to_numpy(attention(tokens, training=False)))
+    return {
+        "root": root, "data": data, "attention": attention, "blocks": blocks,
+        "attention_dir": root / "attention" / "1", "blocks_dir": root / "blocks" / "1",
+        "attention_metadata": export(attention, root / "attention" / "1", mode="accelerated"),
+        "blocks_metadata": export(blocks, root / "blocks" / "1", mode="accelerated",
+                                  input_signature=spec),
+    }  # fmt: skip
+
+
+def test_accelerated_runs_mha_einsum_and_subclassed_dense_sparse(everywhere, tmp_path):
+    data = np.load(everywhere["data"])
+    kernels = {e["name"]: e["kernel"] for e in everywhere["attention_metadata"]["sparse"]}
+    assert kernels == dict.fromkeys(ATTENTION_SPARSE, "sparse24_matmul")
+    kernels = {e["name"]: e["kernel"] for e in everywhere["blocks_metadata"]["sparse"]}
+    assert sorted(kernels) == ["block_net/block/down/kernel", "block_net/block/up/kernel",
+                               "block_net/head/kernel"]  # fmt: skip
+    assert set(kernels.values()) == {"sparse24_matmul"}
+    for d, n in ((everywhere["attention_dir"], 8), (everywhere["blocks_dir"], 3)):
+        assert nonstock_ops(graph_ops(d)) == {"Sparse24MatMul"}  # no Sparse24Decompress
+        assert op_count(d, "Sparse24MatMul") == n
+    serve = load(everywhere["attention_dir"]).signatures["serving_default"]
+    got = serve(tokens=tf.constant(data["tokens"]))["scores"].numpy()
+    np.testing.assert_allclose(got, data["attention_want"], rtol=1e-5, atol=1e-5)
+    serve = load(everywhere["blocks_dir"]).signatures["serving_default"]
+    got = serve(features=tf.constant(data["features"]))["output_0"].numpy()
+    np.testing.assert_allclose(got, data["blocks_want"], rtol=1e-5, atol=1e-5)
+    # The traced layers are left as they were, and still compute the dense forward.
+    assert not [layer for layer in everywhere["attention"]._flatten_layers() if "call" in
+                vars(layer)]  # fmt: skip
+    np.testing.assert_allclose(everywhere["blocks"](data["features"]).numpy(), data["blocks_want"],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+    # Stripped (no wrappers): the same stored tensors, kernels and outputs.
+    stripped = export(tf_sparse24.strip(everywhere["attention"]), tmp_path / "1",
+                      mode="accelerated")  # fmt: skip
+    assert stripped["sparse"] == everywhere["attention_metadata"]["sparse"]
+    serve = load(tmp_path / "1").signatures["serving_default"]
+    np.testing.assert_allclose(serve(tokens=tf.constant(data["tokens"]))["scores"].numpy(),
+                               data["attention_want"], rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+EVERYWHERE_SCRIPT = """
+import json, sys
+import numpy as np, tensorflow as tf
+import tf_sparse24
+
+attention_dir, blocks_dir, data_path = sys.argv[1:]
+data = np.load(data_path)
+serve = tf_sparse24.load(attention_dir).signatures["serving_default"]
+attention = serve(tokens=tf.constant(data["tokens"]))["scores"].numpy()
+serve = tf_sparse24.load(blocks_dir).signatures["serving_default"]
+blocks = serve(features=tf.constant(data["features"]))["output_0"].numpy()
+print(json.dumps({"attention": float(np.abs(attention - data["attention_want"]).max()),
+                  "blocks": float(np.abs(blocks - data["blocks_want"]).max())}))
+"""
+
+
+@pytest.mark.slow
+def test_accelerated_exports_serve_in_a_fresh_process(everywhere):
+    proc = subprocess.run(
+        [sys.executable, "-c", EVERYWHERE_SCRIPT, str(everywhere["attention_dir"]),
+         str(everywhere["blocks_dir"]), str(everywhere["data"])],
+        env=ENV, capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert diffs["attention"] < 1e-5 and diffs["blocks"] < 1e-5, diffs
+
+
+class TiedNet(keras.Model):
+    """`encode`'s kernel is also read outside its call (a tied decoder); `rows` has a transposed
+    einsum output."""
+
+    def __init__(self):
+        super().__init__(name="tied_net")
+        self.encode = keras.layers.Dense(8, name="encode")
+        self.rows = keras.layers.EinsumDense("abc,cd->adb", (4, 2), name="rows")
+        self.head = keras.layers.Dense(4, name="head")
+
+    def call(self, x):
+        h = self.encode(x)
+        tied = keras.ops.matmul(h, keras.ops.transpose(self.encode.kernel))
+        return self.head(keras.ops.reshape(self.rows(keras.ops.reshape(tied, (-1, 2, 4))),
+                                           (-1, 8)))  # fmt: skip
+
+
+def test_accelerated_decompresses_other_kernels_at_load(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = TiedNet()
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    model(x)
+    for layer, axis in ((model.encode, 0), (model.rows, 0), (model.head, 0)):
+        layer.kernel.assign(prune_24(layer.kernel.numpy(), axis))
+    randomize_biases(model, 4)
+    spec = [tf.TensorSpec([None, 8], tf.float32, name="features")]
+    metadata = export(model, tmp_path / "1", mode="accelerated", input_signature=spec)
+    kernels = {e["name"]: e["kernel"] for e in metadata["sparse"]}
+    assert kernels == {"tied_net/encode/kernel": "dense_at_load",
+                       "tied_net/rows/kernel": "dense_at_load",
+                       "tied_net/head/kernel": "sparse24_matmul"}  # fmt: skip
+    assert op_count(tmp_path / "1", "Sparse24Decompress") == 2
+    out = load(tmp_path / "1").signatures["serving_default"](features=tf.constant(x))
+    np.testing.assert_allclose(out["output_0"].numpy(), model(x).numpy(), rtol=1e-5, atol=1e-5)
 
 
 # --- size -----------------------------------------------------------------------------------
