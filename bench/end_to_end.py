@@ -4,10 +4,10 @@ Models (float32, Glorot-random weights, magnitude-pruned 2:4 with `tf_sparse24.p
 speed and memory do not depend on the values):
   mlp          1024-4096-4096-1024 MLP (ReLU), every kernel a Dense layer
   transformer  2 post-LN encoder blocks, d_model 512, 8 heads, FFN 2048, seq 64, built from
-               `keras.layers.MultiHeadAttention` (its EinsumDense projections are decompressed at
-               load in accelerated mode; only the FFN Dense layers run `Sparse24MatMul`)
+               `keras.layers.MultiHeadAttention` (its Q/K/V/O EinsumDense projections and the FFN
+               Dense layers all run `Sparse24MatMul` in accelerated mode)
   tfm_dense    the same encoder with Q/K/V/O projections written as Dense layers (a functional
-               attention), so every pruned kernel runs `Sparse24MatMul`
+               attention); every pruned kernel runs `Sparse24MatMul` too
 
 Each pruned model is exported with `tf_sparse24.export(mode="accelerated")`; its dense twin is
 Keras' `model.export()` of `tf_sparse24.strip(model)` (the same weights, dense kernels, stock ops).
