@@ -39,10 +39,12 @@ def _sources() -> list[str]:
 
 
 def _build(out_dir: str) -> str:
-    """Compiles the core into out_dir/libspmm_<source hash>.so once (reused while sources match)."""
+    """Compiles the core into out_dir/libspmm_<hash of sources and headers>.so once (reused while
+    they match)."""
     srcs = _sources()
+    headers = sorted(glob.glob(os.path.join(ROOT, "cc", "sparse24", "*.h")))
     digest = hashlib.sha1(
-        b"".join(pathlib.Path(s).read_bytes() for s in srcs)
+        b"".join(pathlib.Path(s).read_bytes() for s in srcs + headers)
     ).hexdigest()[:12]
     lib_path = os.path.join(out_dir, f"libspmm_{digest}.so")
     if os.path.exists(lib_path):
@@ -151,6 +153,11 @@ SHAPES = [  # (M, K, N): K % 8 == 4, K < one SIMD chunk, N=1, N off every regist
     (29, 40, 11),
     (33, 196, 31),
     (70, 516, 129),
+    (53, 164, 17),  # 48-row panels: one full panel + every tail width below
+    (88, 84, 40),
+    (96, 260, 65),
+    (150, 36, 20),  # >= 4 panels: rows are split into blocks as well as columns into tiles
+    (200, 68, 300),
     (1, 1028, 300),
 ]
 
@@ -222,7 +229,7 @@ def test_nan_inf_propagate_like_dense(core, isa, dtype):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    m=st.integers(0, 40),
+    m=st.integers(0, 110),
     groups=st.integers(1, 40),
     n=st.integers(1, 40),
     seed=st.integers(0, 2**31 - 1),

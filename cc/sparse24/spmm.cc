@@ -4,6 +4,7 @@
 #include "cc/sparse24/spmm.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -45,6 +46,30 @@ Plan make_plan(Isa isa, int64_t M, int64_t N) {
       break;
   }
   return {spmm_internal::spmm_rows_scalar, false, 0, 16};
+}
+
+// Parallel work units: output column tiles times blocks of whole panels (rows). A tile's values
+// (at most 256 columns: 256 KiB at K = 512 in float32) stay in L2 while the panels of its row block
+// stream past, and each K block of a panel in L1 serves the whole tile. With few panels only the
+// columns are split (the plan's tile). With many panels (M = 2048) the tiles are wide and the rows
+// split too, rather than 16 narrow column tiles each streaming all of x^T from L3.
+struct Schedule {
+  int64_t tile;        // output columns per unit
+  int64_t block_rows;  // rows per unit (a multiple of kPanelRows, or M)
+  int64_t col_tiles, row_blocks;
+};
+
+Schedule make_schedule(const Plan& plan, int64_t M, int64_t N) {
+  constexpr int64_t kMinUnits = 16, kWideTile = 256, kMinPanels = 4;
+  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
+  if (!plan.panel || panels < kMinPanels) {
+    return {plan.tile, M, (N + plan.tile - 1) / plan.tile, 1};
+  }
+  const int64_t tile = std::min<int64_t>(kWideTile, (N + 7) / 8 * 8);
+  const int64_t col_tiles = (N + tile - 1) / tile;
+  const int64_t wanted_blocks = std::min(panels, (kMinUnits + col_tiles - 1) / col_tiles);
+  const int64_t block_panels = (panels + wanted_blocks - 1) / wanted_blocks;
+  return {tile, block_panels * kPanelRows, col_tiles, (panels + block_panels - 1) / block_panels};
 }
 
 bool is_nonfinite(DType dtype, const void* p, int64_t i) {
@@ -179,10 +204,14 @@ void spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
 
   SpmmWork w{a.dtype, a.M, a.K, a.N, a.values, a.meta, nullptr, 0, nullptr, a.y, a.ldy};
   std::vector<uint8_t> bad(a.M);
-  std::unique_ptr<float[]> rows, xt;
+  std::unique_ptr<float[]> rows, xt_storage;
+  float* xt = nullptr;
   if (plan.panel) {
-    xt.reset(new float[(a.M + kPanelRows) * a.K]);
-    w.xt = xt.get();
+    // 64-byte aligned: a panel row is whole cache lines, so no SIMD load of it splits a line.
+    xt_storage.reset(new float[(a.M + kPanelRows) * a.K + 16]);
+    xt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xt_storage.get()) + 63) &
+                                  ~uintptr_t{63});
+    w.xt = xt;
   } else if (a.dtype != DType::kFloat32) {
     rows.reset(new float[a.M * a.K]);
     w.x = rows.get();
@@ -193,20 +222,28 @@ void spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
   }
   switch (a.dtype) {
     case DType::kFloat32:
-      prepare<DType::kFloat32>(a, plan, parallel_for, nullptr, xt.get(), bad.data());
+      prepare<DType::kFloat32>(a, plan, parallel_for, nullptr, xt, bad.data());
       break;
     case DType::kBFloat16:
-      prepare<DType::kBFloat16>(a, plan, parallel_for, rows.get(), xt.get(), bad.data());
+      prepare<DType::kBFloat16>(a, plan, parallel_for, rows.get(), xt, bad.data());
       break;
     case DType::kFloat16:
-      prepare<DType::kFloat16>(a, plan, parallel_for, rows.get(), xt.get(), bad.data());
+      prepare<DType::kFloat16>(a, plan, parallel_for, rows.get(), xt, bad.data());
       break;
   }
 
-  const int64_t units = (a.N + plan.tile - 1) / plan.tile;
-  const int64_t cost = plan.tile * a.M * a.K / 8 + 1;
-  parallel_for(units, cost, [&](int64_t u0, int64_t u1) {
-    plan.kernel(w, u0 * plan.tile, std::min(a.N, u1 * plan.tile));
+  // Units are column-tile major, so a thread's consecutive units reuse one tile's values.
+  const Schedule s = make_schedule(plan, a.M, a.N);
+  const int64_t cost = s.tile * std::min(a.M, s.block_rows) * a.K / 8 + 1;
+  parallel_for(s.col_tiles * s.row_blocks, cost, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t n0 = u / s.row_blocks * s.tile, m0 = u % s.row_blocks * s.block_rows;
+      SpmmWork part = w;
+      part.M = std::min(a.M - m0, s.block_rows);
+      if (plan.panel) part.xt = w.xt + m0 * a.K;
+      part.y = static_cast<char*>(a.y) + m0 * a.ldy * dtype_size(a.dtype);
+      plan.kernel(part, n0, std::min(a.N, n0 + s.tile));
+    }
   });
 
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) propagate_nonfinite(a, bad.data());

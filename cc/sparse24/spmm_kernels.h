@@ -16,7 +16,7 @@ namespace spmm_internal {
 
 // Rows of the panel layout: x^T is packed as [ceil(M / kPanelRows)][K][kPanelRows] float32,
 // rows past M zero, so a panel kernel reads kPanelRows consecutive floats per kept k.
-constexpr int64_t kPanelRows = 32;
+constexpr int64_t kPanelRows = 48;
 
 struct SpmmWork {
   DType dtype;              // of values and y

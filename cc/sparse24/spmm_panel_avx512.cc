@@ -1,5 +1,5 @@
-// AVX-512 (F/BW/VL/DQ) instantiation of the panel SpMM kernel: 16 float32 lanes, a 32-row panel is
-// two zmm registers. Compiled everywhere, run only where CPUID reports AVX-512 (not on the machine
+// AVX-512 (F/BW/VL/DQ) instantiation of the panel SpMM kernel: 16 float32 lanes, a 48-row panel is
+// three zmm registers. Compiled everywhere, run only where CPUID reports AVX-512 (not on the machine
 // this was developed on; see docs/KERNELS.md).
 // GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on their own _mm512_undefined_*.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

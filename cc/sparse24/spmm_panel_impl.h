@@ -10,6 +10,8 @@
 #ifndef TF_SPARSE24_CC_SPARSE24_SPMM_PANEL_IMPL_H_
 #define TF_SPARSE24_CC_SPARSE24_SPMM_PANEL_IMPL_H_
 
+#include <immintrin.h>  // AVX2: both instantiating ISAs have it (the tile transposition)
+
 #include <algorithm>
 #include <cstdint>
 
@@ -22,6 +24,25 @@ namespace panel {
 constexpr int64_t kTileCols = 64;     // columns whose partial sums share the tile buffer
 constexpr int64_t kPrefetchCols = 4;  // how far ahead a column's values are prefetched
 
+// In place: c[i] holds column i of an 8x8 block on entry, row i on exit.
+inline void transpose8x8(__m256 (&c)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(c[i], c[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(c[i], c[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    c[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
 // V: SIMD traits with `using reg`, `kLanes`, zero(), load(const float*), store(float*, reg),
 // broadcast(const float*), fmadd(a, b, c) = a * b + c, add(a, b), and
 // widen(DType, const void* src, int64_t i, float* dst): kLanes bf16/f16 values from src[i] to
@@ -33,38 +54,49 @@ template <class V, int R, int S>
 struct Microkernel {
   static constexpr int64_t kWidth = R * V::kLanes;
 
+  // Row offsets (in floats) of the four kept elements a meta byte names, within the 8 panel rows
+  // of its two groups: 4 * kWidth * group + position * kWidth. One 4 KiB table per panel width
+  // turns the 2-bit fields into addresses with one load per kept element.
+  struct OffsetTable {
+    int32_t off[256][4];
+    constexpr OffsetTable() : off{} {
+      for (int b = 0; b < 256; ++b) {
+        off[b][0] = static_cast<int32_t>((b & 3) * kWidth);
+        off[b][1] = static_cast<int32_t>(((b >> 2) & 3) * kWidth);
+        off[b][2] = static_cast<int32_t>((4 + ((b >> 4) & 3)) * kWidth);
+        off[b][3] = static_cast<int32_t>((4 + (b >> 6)) * kWidth);
+      }
+    }
+  };
+  static constexpr OffsetTable kOffsets{};
+
   // acc[s][r] += sum over the kept elements of groups [g0, g1) of one column, x block at xk
   // (xk points at the panel row of group g0's first k). vals: that column's values from group g0,
   // float32; meta: its meta from the byte holding group g0 (g0 even).
   static inline void run(const float* xk, const float* vals, const uint8_t* meta, int64_t groups,
                          typename V::reg (&acc)[S][R]) {
-    int64_t g = 0;
-    for (; g + 4 <= groups; g += 4) {  // two meta bytes: 4 groups, 8 kept elements
-      const unsigned b0 = meta[g >> 1], b1 = meta[(g >> 1) + 1];
-      const float* x0 = xk + g * 4 * kWidth;
-      const int64_t off[8] = {
-          (b0 & 3) * kWidth,           ((b0 >> 2) & 3) * kWidth,
-          (4 + ((b0 >> 4) & 3)) * kWidth, (4 + (b0 >> 6)) * kWidth,
-          (8 + (b1 & 3)) * kWidth,     (8 + ((b1 >> 2) & 3)) * kWidth,
-          (12 + ((b1 >> 4) & 3)) * kWidth, (12 + (b1 >> 6)) * kWidth};
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {
-        const typename V::reg v = V::broadcast(vals + 2 * g + i);
+    const int64_t bytes = groups / 2;
+    for (int64_t j = 0; j < bytes; ++j) {  // one meta byte: 2 groups, 4 kept elements
+      const int32_t* off = kOffsets.off[meta[j]];
+      const float* x0 = xk + j * 8 * kWidth;
 #pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const typename V::reg v = V::broadcast(vals + 4 * j + i);
+        const float* xr = x0 + off[i];
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          acc[i % S][r] = V::fmadd(v, V::load(x0 + off[i] + r * V::kLanes), acc[i % S][r]);
+          acc[i % S][r] = V::fmadd(v, V::load(xr + r * V::kLanes), acc[i % S][r]);
         }
       }
     }
-    for (; g < groups; ++g) {  // 1..3 trailing groups
-      const unsigned bits = meta[g >> 1] >> ((g & 1) * 4);
-      const float* x0 = xk + g * 4 * kWidth;
-      const typename V::reg v0 = V::broadcast(vals + 2 * g), v1 = V::broadcast(vals + 2 * g + 1);
-#pragma GCC unroll 4
+    if (groups & 1) {  // a trailing odd group: low nibble of the next byte
+      const int32_t* off = kOffsets.off[meta[bytes] & 0x0f];
+      const float* x0 = xk + bytes * 8 * kWidth;
+      const typename V::reg v0 = V::broadcast(vals + 4 * bytes), v1 = V::broadcast(vals + 4 * bytes + 1);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        acc[0][r] = V::fmadd(v0, V::load(x0 + (bits & 3) * kWidth + r * V::kLanes), acc[0][r]);
-        acc[1 % S][r] =
-            V::fmadd(v1, V::load(x0 + ((bits >> 2) & 3) * kWidth + r * V::kLanes), acc[1 % S][r]);
+        acc[0][r] = V::fmadd(v0, V::load(x0 + off[0] + r * V::kLanes), acc[0][r]);
+        acc[1 % S][r] = V::fmadd(v1, V::load(x0 + off[1] + r * V::kLanes), acc[1 % S][r]);
       }
     }
   }
@@ -79,12 +111,47 @@ struct Microkernel {
     __builtin_prefetch(w.meta + n * meta_row + kb / 8);
   }
 
+  // y[m0 + r, t0 + c] = sums[c * kWidth + r] for r < rows, t0 + c < t1: 8x8 blocks are transposed
+  // in registers (a scalar transposition cost a fifth of an M=32 call), the edges one by one.
+  static void store_tile(const SpmmWork& w, const float* sums, int64_t m0, int64_t rows,
+                         int64_t t0, int64_t t1) {
+    const int64_t full_rows = rows / 8 * 8;
+    for (int64_t r0 = 0; r0 < full_rows; r0 += 8) {
+      int64_t n = t0;
+      for (; n + 8 <= t1; n += 8) {
+        __m256 c[8];
+        for (int i = 0; i < 8; ++i) c[i] = _mm256_load_ps(sums + (n - t0 + i) * kWidth + r0);
+        transpose8x8(c);
+        for (int j = 0; j < 8; ++j) {
+          const int64_t at = (m0 + r0 + j) * w.ldy + n;
+          if (w.dtype == DType::kFloat32) {
+            _mm256_storeu_ps(static_cast<float*>(w.y) + at, c[j]);
+          } else {
+            alignas(32) float row[8];
+            _mm256_store_ps(row, c[j]);
+            for (int i = 0; i < 8; ++i) store_f32(w.dtype, w.y, at + i, row[i]);
+          }
+        }
+      }
+      for (; n < t1; ++n) {
+        for (int64_t r = r0; r < r0 + 8; ++r) {
+          store_f32(w.dtype, w.y, (m0 + r) * w.ldy + n, sums[(n - t0) * kWidth + r]);
+        }
+      }
+    }
+    for (int64_t r = full_rows; r < rows; ++r) {
+      for (int64_t n = t0; n < t1; ++n) {
+        store_f32(w.dtype, w.y, (m0 + r) * w.ldy + n, sums[(n - t0) * kWidth + r]);
+      }
+    }
+  }
+
   // One panel (rows m0 .. m0 + rows) times columns [n0, n1), written to y.
   static void panel(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
                     int64_t n1, int64_t k_block) {
     const int64_t half_k = w.K / 2, meta_row = (w.K + 7) / 8;
     alignas(64) float sums[kTileCols * kWidth];
-    alignas(64) float vbuf[1024];  // widened values of one column's K block (k_block / 2 <= 1024)
+    alignas(64) float vbuf[1024];  // widened values of one column's K block (k_block <= 2048)
     for (int64_t t0 = n0; t0 < n1; t0 += kTileCols) {
       const int64_t t1 = std::min(n1, t0 + kTileCols);
       for (int64_t kb = 0; kb < w.K; kb += k_block) {
@@ -120,39 +187,43 @@ struct Microkernel {
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {  // transpose the tile's sums into y rows
-        for (int64_t n = t0; n < t1; ++n) {
-          store_f32(w.dtype, w.y, (m0 + r) * w.ldy + n, sums[(n - t0) * kWidth + r]);
-        }
-      }
+      store_tile(w, sums, m0, rows, t0, t1);
     }
   }
 };
+
+// Rows of k per block, so a panel's block of x^T (k_block * width floats) stays near 16 KiB of L1
+// beside the tile buffer and the streaming values. Whole meta bytes: a multiple of 8.
+constexpr int64_t k_block_for(int64_t width) { return 4096 / width / 8 * 8; }
+
+// Accumulator sets for R registers per panel row: R * S >= 8 independent FMA chains.
+constexpr int accumulator_sets(int R) { return (8 + R - 1) / R; }
+
+// The tail panel: fewer than kPanelRows rows, `regs` (<= kPanelRows / lanes) registers wide.
+template <class V, int R>
+void tail_panel(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
+                int64_t n1, int regs) {
+  if constexpr (R >= 1) {
+    if (regs != R) return tail_panel<V, R - 1>(w, xt, m0, rows, n0, n1, regs);
+    Microkernel<V, R, accumulator_sets(R)>::panel(w, xt, m0, rows, n0, n1,
+                                                  k_block_for(R * V::kLanes));
+  }
+}
 
 // All rows of y for columns [n0, n1): full panels of kPanelRows rows, then the tail panel.
 template <class V>
 void run_panels(const SpmmWork& w, int64_t n0, int64_t n1) {
   static_assert(kPanelRows % V::kLanes == 0, "panel width must be whole registers");
   constexpr int kFullR = kPanelRows / V::kLanes;
-  constexpr int64_t kBlockFull = 128;  // rows of k: 128 * 32 floats = 16 KiB of x^T in L1
   int64_t m0 = 0;
   for (; m0 + kPanelRows <= w.M; m0 += kPanelRows) {
-    Microkernel<V, kFullR, (8 + kFullR - 1) / kFullR>::panel(w, w.xt + m0 * w.K, m0, kPanelRows,
-                                                             n0, n1, kBlockFull);
+    Microkernel<V, kFullR, accumulator_sets(kFullR)>::panel(w, w.xt + m0 * w.K, m0, kPanelRows, n0,
+                                                            n1, k_block_for(kPanelRows));
   }
   const int64_t rows = w.M - m0;
   if (rows == 0) return;
-  const float* xt = w.xt + m0 * w.K;
   const int regs = static_cast<int>((rows + V::kLanes - 1) / V::kLanes);
-  // Narrower panels: longer K blocks keep the same L1 footprint.
-  if constexpr (kFullR >= 4) {
-    if (regs == 3) return Microkernel<V, 3, 4>::panel(w, xt, m0, rows, n0, n1, 168);
-    if (regs == 4) return Microkernel<V, 4, 2>::panel(w, xt, m0, rows, n0, n1, 128);
-  }
-  if constexpr (kFullR >= 2) {
-    if (regs == 2) return Microkernel<V, 2, 4>::panel(w, xt, m0, rows, n0, n1, 256);
-  }
-  Microkernel<V, 1, 8>::panel(w, xt, m0, rows, n0, n1, 512);
+  tail_panel<V, kFullR>(w, w.xt + m0 * w.K, m0, rows, n0, n1, regs);
 }
 
 }  // namespace panel
