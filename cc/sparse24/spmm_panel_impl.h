@@ -76,8 +76,12 @@ struct Microkernel {
   static inline void run(const float* xk, const float* vals, const uint8_t* meta, int64_t groups,
                          typename V::reg (&acc)[S][R]) {
     const int64_t bytes = groups / 2;
+    // The next byte's offsets are loaded one iteration ahead, so the meta -> table -> x address
+    // chain of a byte overlaps the FMAs of the one before.
+    const int32_t* next = kOffsets.off[bytes > 0 ? meta[0] : 0];
     for (int64_t j = 0; j < bytes; ++j) {  // one meta byte: 2 groups, 4 kept elements
-      const int32_t* off = kOffsets.off[meta[j]];
+      const int32_t off[4] = {next[0], next[1], next[2], next[3]};
+      next = kOffsets.off[j + 1 < bytes ? meta[j + 1] : 0];
       const float* x0 = xk + j * 8 * kWidth;
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
