@@ -10,7 +10,6 @@ import re
 import numpy as np
 import pytest
 
-import keras
 import tf_sparse24
 from helpers import procs, scenario
 
@@ -23,21 +22,12 @@ def single_device_reference(epochs: int) -> tuple[dict, np.ndarray]:
     dense = scenario.dense_model(seed=0)
     initial = {f"{layer.name}/kernel": layer.kernel.numpy() for layer in dense.layers}
     model = tf_sparse24.prune(dense)
-    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
-    x, y = scenario.data()
-    history = model.fit(
-        x,
-        y,
-        batch_size=16,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        callbacks=[tf_sparse24.Sparse24Callback()],
-    )
+    scenario.compile_for_fine_tuning(model)
+    loss = scenario.fine_tune(model, epochs)
     state = scenario.pruned_state(model)
     for key, entry in state.items():
         entry["initial_magnitude_mask"] = scenario.magnitude_mask(initial[key], int(entry["axis"]))
-    return state, np.array(history.history["loss"])
+    return state, loss
 
 
 def assert_replica_matches(key: str, mask: np.ndarray, effective: np.ndarray, ref: dict) -> None:

@@ -17,7 +17,6 @@ tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
 )
 
-import keras  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers.*
 from helpers import scenario  # noqa: E402
@@ -37,21 +36,10 @@ def read_per_replica(strategy, layer, pw):
 def main(out: str, epochs: int) -> None:
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     assert strategy.num_replicas_in_sync == 2, strategy.num_replicas_in_sync
-    x, y = scenario.data()
     with strategy.scope():
         model = tf_sparse24.prune(scenario.dense_model(seed=0))
-        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
-    history = model.fit(
-        x,
-        y,
-        batch_size=16,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        callbacks=[tf_sparse24.Sparse24Callback()],
-    )
-
-    arrays = {"loss": np.array(history.history["loss"])}
+        scenario.compile_for_fine_tuning(model)
+    arrays = {"loss": scenario.fine_tune(model, epochs)}
     for layer in tf_sparse24.pruned_layers(model):
         for pw in layer.pruned_weights:
             key = f"{layer.layer.name}/{pw.name}"
