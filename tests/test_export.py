@@ -200,6 +200,8 @@ def test_load_checks_and_serves(mixed):
     assert "mha/attention_output/kernel" in text and "variables/" in text
 
 
+# Runs in a process that must never import tf_sparse24 (it reports what it imported), so it walks
+# the SavedModel proto itself rather than calling export.graph_ops.
 FRESH_SCRIPT = """
 import json, sys
 import numpy as np, tensorflow as tf
