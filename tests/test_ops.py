@@ -390,6 +390,26 @@ def test_bad_shapes_and_dtypes():
         )
 
 
+@pytest.mark.parametrize("m", [2, 64, 200])  # GEMV kernel, one panel, several row blocks
+def test_matmul_names_the_first_bad_meta_row_whichever_work_unit_meets_it(m):
+    # Each work unit checks its own columns' meta; the message must still name the first bad row.
+    rng = np.random.default_rng(9)
+    k, n = 64, 600
+    values, meta = fmt.compress(random_24(rng, k, n, np.float32))
+    x = tf.constant(rng.standard_normal((m, k)).astype(np.float32))
+    bad = meta.copy()
+    bad[517, 3] = 0x4B  # high nibble fine, low nibble (3, 2)
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=re.escape("row n=517, group g=6 has positions (3, 2)")
+    ):
+        ops.sparse24_matmul(x, values, tf.constant(bad))
+    bad[20, 0] = 0x81  # now also an earlier row: low nibble (1, 0)
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=re.escape("row n=20, group g=0 has positions (1, 0)")
+    ):
+        ops.sparse24_matmul(x, values, tf.constant(bad))
+
+
 @pytest.mark.parametrize("op", ["matmul", "decompress"])
 def test_bad_meta_is_rejected_naming_row_and_group(op):
     rng = np.random.default_rng(8)

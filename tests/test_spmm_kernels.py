@@ -35,7 +35,8 @@ OUT_EPS = {np.float32: 2.0**-24, ml_dtypes.bfloat16: 2.0**-8, np.float16: 2.0**-
 
 def _sources() -> list[str]:
     srcs = sorted(glob.glob(os.path.join(ROOT, "cc", "sparse24", "spmm*.cc")))
-    return srcs + [os.path.join(ROOT, "cc", "sparse24", "cpu_features.cc")]
+    core = os.path.join(ROOT, "cc", "sparse24")
+    return srcs + [os.path.join(core, name) for name in ("cpu_features.cc", "format.cc")]
 
 
 def _build(out_dir: str) -> str:
@@ -203,14 +204,13 @@ def test_strides_and_empty(core, isa):
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
-@pytest.mark.parametrize(
-    "dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"]
-)
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=lambda d: np.dtype(d).name)
 def test_nan_inf_propagate_like_dense(core, isa, dtype):
     if not _supported(core, isa):
         pytest.skip(f"this CPU cannot run {isa}")
     rng = np.random.default_rng(2)
-    for m, k, n in [(1, 64, 20), (3, 36, 7), (40, 132, 33)]:
+    # GEMV rows, one panel, and the last rows in a later panel (x is packed per panel).
+    for m, k, n in [(1, 64, 20), (3, 36, 7), (40, 132, 33), (100, 68, 20)]:
         w = _random_2to4(rng, k, n, dtype)
         values, meta = fmt.compress(w)
         x = rng.standard_normal((m, k)).astype(dtype)

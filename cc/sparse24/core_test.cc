@@ -272,6 +272,33 @@ std::vector<uint8_t> pack(DType dtype, const std::vector<uint32_t>& slots) {
   return out;
 }
 
+void test_spmm_rejects_bad_meta(std::mt19937* rng) {
+  // Every kernel path names the first bad row, wherever the work unit that meets it runs.
+  const sparse24::ParallelFor backwards = [](int64_t total, int64_t,
+                                             const std::function<void(int64_t, int64_t)>& fn) {
+    for (int64_t b = total - 1; b >= 0; --b) fn(b, b + 1);
+  };
+  const int64_t k = 64, n = 600;
+  const std::vector<float> w = random_24(rng, k, n);
+  std::vector<float> values(n * k / 2);
+  std::vector<uint8_t> meta(n * sparse24::meta_cols(k));
+  CHECK(sparse24::compress(DType::kFloat32, w.data(), k, n, values.data(), meta.data()).empty(),
+        "compress for bad-meta spmm");
+  meta[517 * 8 + 3] = 0x4B;  // group 6 of row 517: (3, 2)
+  meta[20 * 8 + 0] = 0x81;   // group 0 of row 20: (1, 0)
+  for (sparse24::Isa isa : {sparse24::Isa::kScalar, sparse24::Isa::kAvx2, sparse24::Isa::kAvx512}) {
+    if (!sparse24::isa_supported(isa)) continue;
+    for (int64_t m : {2, 64, 200}) {
+      std::vector<float> x(m * k, 1.0f), y(m * n);
+      const sparse24::SpmmArgs args{DType::kFloat32, x.data(), k, values.data(), meta.data(),
+                                    m, k, n, y.data(), n};
+      const std::string error = sparse24::spmm(args, isa, backwards);
+      CHECK(error.find("row n=20, group g=0 has positions (1, 0)") != std::string::npos,
+            "%s m=%ld: '%s'", sparse24::isa_name(isa), (long)m, error.c_str());
+    }
+  }
+}
+
 void test_spmm(std::mt19937* rng) {
   using sparse24::Isa;
   const sparse24::ParallelFor serial = [](int64_t total, int64_t,
@@ -303,7 +330,8 @@ void test_spmm(std::mt19937* rng) {
             std::vector<uint8_t> y(m * ldy * sparse24::dtype_size(dtype), 0xEE);
             sparse24::SpmmArgs args{dtype, x_packed.data(), k,  values.data(), meta.data(), m, k,
                                     n,     y.data(),        ldy};
-            sparse24::spmm(args, isa, serial);
+            const std::string spmm_error = sparse24::spmm(args, isa, serial);
+            CHECK(spmm_error.empty(), "spmm on valid meta: %s", spmm_error.c_str());
             std::vector<uint32_t> y_slots(m * ldy, 0);
             for (int64_t i = 0; i < m * ldy; ++i) {
               std::memcpy(&y_slots[i], &y[i * sparse24::dtype_size(dtype)],
@@ -352,6 +380,7 @@ int main() {
   test_half();
   test_isa();
   test_spmm(&rng);
+  test_spmm_rejects_bad_meta(&rng);
   std::printf("%ld checks, %d failures\n", (long)g_checks, g_failures);
   if (g_failures == 0) std::printf("ALL PASSED\n");
   return g_failures == 0 ? 0 : 1;

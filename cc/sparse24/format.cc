@@ -147,12 +147,23 @@ std::string compress(DType dtype, const void* dense, int64_t k, int64_t n, void*
                        meta);
 }
 
-std::string validate_meta(const uint8_t* meta, int64_t k, int64_t row_begin, int64_t row_end) {
-  const int64_t groups = k / 4, mcols = meta_cols(k), full = k / 8;
+bool meta_rows_valid(const uint8_t* meta, int64_t k, int64_t row_begin, int64_t row_end) {
+  const int64_t mcols = meta_cols(k), full = k / 8;
   for (int64_t r = row_begin; r < row_end; ++r) {
     const uint8_t* m = meta + r * mcols;
-    if (full_bytes_valid(m, full) && (full == mcols || nibble_valid(m[full] & 0xFu))) continue;
-    for (int64_t g = 0; g < groups; ++g) {  // slow path: find the group
+    if (!full_bytes_valid(m, full)) return false;
+    // K % 8 == 4: the last byte holds one group (low nibble); its high nibble must be 0.
+    if (full != mcols && (!nibble_valid(m[full] & 0xFu) || (m[full] >> 4) != 0)) return false;
+  }
+  return true;
+}
+
+std::string validate_meta(const uint8_t* meta, int64_t k, int64_t row_begin, int64_t row_end) {
+  if (meta_rows_valid(meta, k, row_begin, row_end)) return std::string();
+  const int64_t groups = k / 4, mcols = meta_cols(k);
+  for (int64_t r = row_begin; r < row_end; ++r) {  // slow path: find the first bad group
+    const uint8_t* m = meta + r * mcols;
+    for (int64_t g = 0; g < groups; ++g) {
       const unsigned nibble = (m[g / 2] >> (4 * (g & 1))) & 0xFu;
       if (!nibble_valid(nibble)) {
         std::ostringstream msg;
@@ -163,16 +174,14 @@ std::string validate_meta(const uint8_t* meta, int64_t k, int64_t row_begin, int
       }
     }
   }
-  if (k % 8 == 4) {
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      const unsigned last = meta[r * mcols + mcols - 1];
-      if (last >> 4) {
-        std::ostringstream msg;
-        msg << "invalid meta: row n=" << r << ", last byte 0x" << std::hex << last
-            << " has a non-zero high nibble, which must be 0 when K % 8 == 4 (K=" << std::dec << k
-            << ")";
-        return msg.str();
-      }
+  for (int64_t r = row_begin; r < row_end && k % 8 == 4; ++r) {  // then the last high nibbles
+    const unsigned last = meta[r * mcols + mcols - 1];
+    if (last >> 4) {
+      std::ostringstream msg;
+      msg << "invalid meta: row n=" << r << ", last byte 0x" << std::hex << last
+          << " has a non-zero high nibble, which must be 0 when K % 8 == 4 (K=" << std::dec << k
+          << ")";
+      return msg.str();
     }
   }
   return std::string();

@@ -28,6 +28,9 @@ std::string compress(DType dtype, const void* dense, int64_t k, int64_t n, void*
 // bad group in (row, group) order, then the first bad high nibble (format.check_meta's order).
 std::string validate_meta(const uint8_t* meta, int64_t k, int64_t row_begin, int64_t row_end);
 
+// validate_meta(...).empty() without building a message: the check the SpMM runs per work unit.
+bool meta_rows_valid(const uint8_t* meta, int64_t k, int64_t row_begin, int64_t row_end);
+
 // values [N, K/2] + meta -> dense [K, N] (+0.0 where nothing is kept). Validates meta first.
 std::string decompress(DType dtype, const void* values, const uint8_t* meta, int64_t k, int64_t n,
                        void* dense);

@@ -4,12 +4,14 @@
 #include "cc/sparse24/spmm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
 
+#include "cc/sparse24/format.h"
 #include "cc/sparse24/spmm_kernels.h"
 
 namespace sparse24 {
@@ -25,9 +27,10 @@ constexpr int64_t kGemvMaxRows = 4;
 
 struct Plan {
   SpmmKernel kernel;
-  bool panel;      // kernel reads packed x^T panels (else float32 rows)
+  spmm_internal::PanelPack pack;  // panel kernels: packs x^T (null: kernel reads float32 rows)
   int64_t lanes;   // panel kernels: SIMD lanes; the tail panel's width is rounded up to them
   int64_t tile;    // output columns per parallel work unit
+  bool panel() const { return pack != nullptr; }
 };
 
 Plan make_plan(Isa isa, int64_t M, int64_t N) {
@@ -36,16 +39,20 @@ Plan make_plan(Isa isa, int64_t M, int64_t N) {
   const int64_t panel_tile = std::clamp<int64_t>((N / 16 + 7) / 8 * 8, 16, 256);
   switch (isa) {
     case Isa::kAvx512:
-      if (M > kGemvMaxRows) return {spmm_internal::spmm_panel_avx512, true, 16, panel_tile};
-      return {spmm_internal::spmm_gemv_avx512, false, 0, 64};
+      if (M > kGemvMaxRows) {
+        return {spmm_internal::spmm_panel_avx512, spmm_internal::pack_panel_avx512, 16, panel_tile};
+      }
+      return {spmm_internal::spmm_gemv_avx512, nullptr, 0, 64};
     case Isa::kAvx2:
-      if (M > kGemvMaxRows) return {spmm_internal::spmm_panel_avx2, true, 8, panel_tile};
-      return {spmm_internal::spmm_gemv_avx2, false, 0, 64};
+      if (M > kGemvMaxRows) {
+        return {spmm_internal::spmm_panel_avx2, spmm_internal::pack_panel_avx2, 8, panel_tile};
+      }
+      return {spmm_internal::spmm_gemv_avx2, nullptr, 0, 64};
     case Isa::kAuto:
     case Isa::kScalar:
       break;
   }
-  return {spmm_internal::spmm_rows_scalar, false, 0, 16};
+  return {spmm_internal::spmm_rows_scalar, nullptr, 0, 16};
 }
 
 // Parallel work units: output column tiles times blocks of whole panels (rows). A tile's values
@@ -62,7 +69,7 @@ struct Schedule {
 Schedule make_schedule(const Plan& plan, int64_t M, int64_t N) {
   constexpr int64_t kMinUnits = 16, kWideTile = 256, kMinPanels = 4;
   const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
-  if (!plan.panel || panels < kMinPanels) {
+  if (!plan.panel() || panels < kMinPanels) {
     return {plan.tile, M, (N + plan.tile - 1) / plan.tile, 1};
   }
   const int64_t tile = std::min<int64_t>(kWideTile, (N + 7) / 8 * 8);
@@ -111,7 +118,7 @@ struct Elem<DType::kFloat16> {
 // Marks rows [m0, m1) of x holding NaN/Inf in `bad`; with `rows`, also writes their float32 copy
 // (row stride K).
 template <DType D>
-void prepare_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_t* bad) {
+void convert_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_t* bad) {
   using E = Elem<D>;
   for (int64_t m = m0; m < m1; ++m) {
     const typename E::Bits* src = static_cast<const typename E::Bits*>(a.x) + m * a.ldx;
@@ -124,42 +131,25 @@ void prepare_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_
   }
 }
 
-// Packs the rows of panel `p` transposed, [K][width] floats (rows past M zero), and marks rows
-// holding NaN/Inf in `bad`. Blocked over k so the strided writes stay in L1.
-template <DType D>
-void pack_panel(const SpmmArgs& a, int64_t p, int64_t lanes, float* xt, uint8_t* bad) {
-  using E = Elem<D>;
-  constexpr int64_t kBlock = 64;
-  const int64_t m0 = p * kPanelRows;
-  const int64_t rows = std::min<int64_t>(kPanelRows, a.M - m0);
-  const int64_t width = std::min<int64_t>(kPanelRows, (rows + lanes - 1) / lanes * lanes);
-  float* dst = xt + m0 * a.K;
-  prepare_rows<D>(a, m0, m0 + rows, nullptr, bad);
-  for (int64_t k0 = 0; k0 < a.K; k0 += kBlock) {
-    const int64_t k1 = std::min(a.K, k0 + kBlock);
-    for (int64_t r = 0; r < rows; ++r) {
-      const typename E::Bits* src = static_cast<const typename E::Bits*>(a.x) + (m0 + r) * a.ldx;
-      for (int64_t k = k0; k < k1; ++k) dst[k * width + r] = E::f32(src[k]);
+// Packs x^T panel by panel (the tail panel's width rounded up to whole registers).
+void pack_panels(const SpmmArgs& a, const Plan& plan, const ParallelFor& parallel_for, float* xt,
+                 uint8_t* bad) {
+  const int64_t panels = (a.M + kPanelRows - 1) / kPanelRows;
+  parallel_for(panels, kPanelRows * a.K, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t m0 = p * kPanelRows, rows = std::min(kPanelRows, a.M - m0);
+      const int64_t width = std::min(kPanelRows, (rows + plan.lanes - 1) / plan.lanes * plan.lanes);
+      plan.pack(a.dtype, static_cast<const char*>(a.x) + m0 * a.ldx * dtype_size(a.dtype), a.ldx,
+                rows, a.K, width, xt + m0 * a.K, bad + m0);
     }
-    for (int64_t r = rows; r < width; ++r) {
-      for (int64_t k = k0; k < k1; ++k) dst[k * width + r] = 0.0f;
-    }
-  }
+  });
 }
 
+// Float32 rows of x for the GEMV and scalar kernels (a converted copy unless x is float32).
 template <DType D>
-void prepare(const SpmmArgs& a, const Plan& plan, const ParallelFor& parallel_for, float* rows,
-             float* xt, uint8_t* bad) {
-  if (plan.panel) {
-    const int64_t panels = (a.M + kPanelRows - 1) / kPanelRows;
-    parallel_for(panels, kPanelRows * a.K * 2, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) pack_panel<D>(a, p, plan.lanes, xt, bad);
-    });
-  } else {
-    parallel_for(a.M, a.K * 2, [&](int64_t m0, int64_t m1) {
-      prepare_rows<D>(a, m0, m1, rows, bad);
-    });
-  }
+void prepare_rows(const SpmmArgs& a, const ParallelFor& parallel_for, float* rows, uint8_t* bad) {
+  parallel_for(a.M, a.K * 2,
+               [&](int64_t m0, int64_t m1) { convert_rows<D>(a, m0, m1, rows, bad); });
 }
 
 // A dense matmul multiplies every x[m, k] with W[k, n], zeros included, so a NaN/Inf x[m, k] at a
@@ -191,13 +181,13 @@ void propagate_nonfinite(const SpmmArgs& a, const uint8_t* bad) {
 
 }  // namespace
 
-void spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
-  if (a.M <= 0 || a.N <= 0) return;
+std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
+  if (a.M <= 0 || a.N <= 0) return validate_meta(a.meta, a.K, 0, std::max<int64_t>(a.N, 0));
   if (a.K == 0) {
     for (int64_t m = 0; m < a.M; ++m) {
       for (int64_t n = 0; n < a.N; ++n) spmm_internal::store_f32(a.dtype, a.y, m * a.ldy + n, 0.f);
     }
-    return;
+    return std::string();
   }
   if (isa == Isa::kAuto) isa = best_isa();
   const Plan plan = make_plan(isa, a.M, a.N);
@@ -206,7 +196,7 @@ void spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
   std::vector<uint8_t> bad(a.M);
   std::unique_ptr<float[]> rows, xt_storage;
   float* xt = nullptr;
-  if (plan.panel) {
+  if (plan.panel()) {
     // 64-byte aligned: a panel row is whole cache lines, so no SIMD load of it splits a line.
     xt_storage.reset(new float[(a.M + kPanelRows) * a.K + 16]);
     xt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xt_storage.get()) + 63) &
@@ -220,33 +210,39 @@ void spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
     w.x = static_cast<const float*>(a.x);
     w.ldx = a.ldx;
   }
-  switch (a.dtype) {
-    case DType::kFloat32:
-      prepare<DType::kFloat32>(a, plan, parallel_for, nullptr, xt, bad.data());
-      break;
-    case DType::kBFloat16:
-      prepare<DType::kBFloat16>(a, plan, parallel_for, rows.get(), xt, bad.data());
-      break;
-    case DType::kFloat16:
-      prepare<DType::kFloat16>(a, plan, parallel_for, rows.get(), xt, bad.data());
-      break;
+  if (plan.panel()) {
+    pack_panels(a, plan, parallel_for, xt, bad.data());
+  } else if (a.dtype == DType::kFloat32) {
+    prepare_rows<DType::kFloat32>(a, parallel_for, nullptr, bad.data());
+  } else if (a.dtype == DType::kBFloat16) {
+    prepare_rows<DType::kBFloat16>(a, parallel_for, rows.get(), bad.data());
+  } else {
+    prepare_rows<DType::kFloat16>(a, parallel_for, rows.get(), bad.data());
   }
 
   // Units are column-tile major, so a thread's consecutive units reuse one tile's values.
   const Schedule s = make_schedule(plan, a.M, a.N);
   const int64_t cost = s.tile * std::min(a.M, s.block_rows) * a.K / 8 + 1;
+  std::atomic<bool> meta_ok{true};
   parallel_for(s.col_tiles * s.row_blocks, cost, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t n0 = u / s.row_blocks * s.tile, m0 = u % s.row_blocks * s.block_rows;
+      const int64_t n1 = std::min(a.N, n0 + s.tile);
+      if (!meta_rows_valid(a.meta, a.K, n0, n1)) {
+        meta_ok.store(false, std::memory_order_relaxed);
+        continue;
+      }
       SpmmWork part = w;
       part.M = std::min(a.M - m0, s.block_rows);
-      if (plan.panel) part.xt = w.xt + m0 * a.K;
+      if (plan.panel()) part.xt = w.xt + m0 * a.K;
       part.y = static_cast<char*>(a.y) + m0 * a.ldy * dtype_size(a.dtype);
-      plan.kernel(part, n0, std::min(a.N, n0 + s.tile));
+      plan.kernel(part, n0, n1);
     }
   });
 
+  if (!meta_ok.load()) return validate_meta(a.meta, a.K, 0, a.N);
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) propagate_nonfinite(a, bad.data());
+  return std::string();
 }
 
 }  // namespace sparse24

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #include "cc/sparse24/cpu_features.h"
 #include "cc/sparse24/dtype.h"
@@ -31,8 +32,11 @@ using ParallelFor =
                        const std::function<void(int64_t, int64_t)>& fn)>;
 
 // Runs the whole product with the kernel variant for `isa` (kAuto: the best the CPU supports).
+// Returns "" or, if meta breaks the format, validate_meta's message (first bad row and group); y is
+// then unspecified. Each work unit checks its own meta rows just before reading them, so the check
+// costs no extra pass over the weights or extra round trip through the thread pool.
 // Precondition: shapes valid (K % 4 == 0), isa supported (callers check with isa_supported).
-void spmm(const SpmmArgs& args, Isa isa, const ParallelFor& parallel_for);
+std::string spmm(const SpmmArgs& args, Isa isa, const ParallelFor& parallel_for);
 
 }  // namespace sparse24
 

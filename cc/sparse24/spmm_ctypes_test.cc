@@ -42,7 +42,8 @@ int sparse24_test_isa_supported(int isa) {
   return sparse24::isa_supported(static_cast<sparse24::Isa>(isa)) ? 1 : 0;
 }
 
-// dtype: 0 float32, 1 bfloat16, 2 float16; isa: sparse24::Isa. Returns 0, or -1 if isa unsupported.
+// dtype: 0 float32, 1 bfloat16, 2 float16; isa: sparse24::Isa. Returns 0, -1 if isa unsupported, or
+// -2 if spmm rejected the meta.
 int sparse24_test_spmm(int dtype, int isa, const void* x, int64_t ldx, const void* values,
                        const uint8_t* meta, int64_t m, int64_t k, int64_t n, void* y, int64_t ldy,
                        int threads) {
@@ -50,8 +51,7 @@ int sparse24_test_spmm(int dtype, int isa, const void* x, int64_t ldx, const voi
   if (!sparse24::isa_supported(which)) return -1;
   const sparse24::SpmmArgs args{static_cast<sparse24::DType>(dtype), x, ldx, values, meta, m, k, n,
                                 y, ldy};
-  sparse24::spmm(args, which, thread_pool(threads));
-  return 0;
+  return sparse24::spmm(args, which, thread_pool(threads)).empty() ? 0 : -2;
 }
 
 }  // extern "C"

@@ -24,8 +24,11 @@ namespace panel {
 constexpr int64_t kTileCols = 64;     // columns whose partial sums share the tile buffer
 constexpr int64_t kPrefetchCols = 4;  // how far ahead a column's values are prefetched
 
+// The plain functions here have internal linkage (static): each ISA's translation unit keeps its
+// own copy, compiled with its own flags, so the linker can never hand the AVX2 path an AVX-512 one.
+
 // In place: c[i] holds column i of an 8x8 block on entry, row i on exit.
-inline void transpose8x8(__m256 (&c)[8]) {
+static inline void transpose8x8(__m256 (&c)[8]) {
   __m256 t[8], u[8];
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(c[i], c[i + 1]);
@@ -40,6 +43,50 @@ inline void transpose8x8(__m256 (&c)[8]) {
   for (int i = 0; i < 4; ++i) {
     c[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
     c[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Elements [k, k + count) of an x row (count 8, or 4 with zeros above) as float32.
+static inline __m256 load_x8(DType dtype, const void* row, int64_t k, int count) {
+  if (dtype == DType::kFloat32) {
+    const float* p = static_cast<const float*>(row) + k;
+    return count == 8 ? _mm256_loadu_ps(p) : _mm256_zextps128_ps256(_mm_loadu_ps(p));
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(row) + k;
+  const __m128i h = count == 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                               : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return dtype == DType::kBFloat16
+             ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+             : _mm256_cvtph_ps(h);
+}
+
+// Packs `rows` rows of x (row stride ldx elements) transposed into xt [K][width] float32, rows
+// `rows..width` zero, by 8x8 register transposes; bad[r] = row r holds NaN/Inf (a float32 Inf/NaN
+// exactly when the bf16/f16 element was one). K % 4 == 0; width a multiple of 8.
+static void pack_panel(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
+                       int64_t width, float* xt, uint8_t* bad) {
+  const __m256 exponent = _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000));
+  const int64_t elem = dtype_size(dtype);
+  for (int64_t r0 = 0; r0 < width; r0 += 8) {
+    const int live = static_cast<int>(std::clamp<int64_t>(rows - r0, 0, 8));
+    __m256 nonfinite[8];
+    for (int i = 0; i < 8; ++i) nonfinite[i] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 8) {
+      const int count = K - k0 >= 8 ? 8 : 4;
+      __m256 c[8];
+      for (int i = 0; i < 8; ++i) {
+        if (i >= live) {
+          c[i] = _mm256_setzero_ps();
+          continue;
+        }
+        c[i] = load_x8(dtype, static_cast<const char*>(x) + (r0 + i) * ldx * elem, k0, count);
+        nonfinite[i] = _mm256_or_ps(
+            nonfinite[i], _mm256_cmp_ps(_mm256_and_ps(c[i], exponent), exponent, _CMP_EQ_OQ));
+      }
+      transpose8x8(c);  // c[j]: element k0 + j of rows r0 .. r0 + 7
+      for (int j = 0; j < count; ++j) _mm256_store_ps(xt + (k0 + j) * width + r0, c[j]);
+    }
+    for (int i = 0; i < live; ++i) bad[r0 + i] = _mm256_movemask_ps(nonfinite[i]) != 0;
   }
 }
 
@@ -96,7 +143,8 @@ struct Microkernel {
     if (groups & 1) {  // a trailing odd group: low nibble of the next byte
       const int32_t* off = kOffsets.off[meta[bytes] & 0x0f];
       const float* x0 = xk + bytes * 8 * kWidth;
-      const typename V::reg v0 = V::broadcast(vals + 4 * bytes), v1 = V::broadcast(vals + 4 * bytes + 1);
+      const typename V::reg v0 = V::broadcast(vals + 4 * bytes);
+      const typename V::reg v1 = V::broadcast(vals + 4 * bytes + 1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         acc[0][r] = V::fmadd(v0, V::load(x0 + off[0] + r * V::kLanes), acc[0][r]);

@@ -125,29 +125,21 @@ class Sparse24MatMulOp : public OpKernel {
     MatMulShapes(x, n, &y_shape, &m);
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y_shape, &y));
-    if (y->NumElements() == 0) return;
-    const uint8_t* meta_data = meta.flat<uint8_t>().data();
-    const sparse24::ParallelFor parallel_for = PoolParallelFor(ctx);
-    // Meta validation: one O(N * K/8) pass over the meta bytes, rows in parallel; the exact
-    // message (first bad row and group) comes from a sequential re-check only on failure.
-    std::atomic<bool> meta_ok{true};
-    parallel_for(n, k / 8 + 1, [&](int64_t r0, int64_t r1) {
-      if (!sparse24::validate_meta(meta_data, k, r0, r1).empty()) meta_ok = false;
-    });
-    OP_REQUIRES(ctx, meta_ok.load(),
-                InvalidArgument("Sparse24MatMul: ", sparse24::validate_meta(meta_data, k, 0, n)));
     sparse24::SpmmArgs args;
     args.dtype = ToDType<T>();
     args.x = x.flat<T>().data();
     args.ldx = k;
     args.values = values.flat<T>().data();
-    args.meta = meta_data;
+    args.meta = meta.flat<uint8_t>().data();
     args.M = m;
     args.K = k;
     args.N = n;
     args.y = y->flat<T>().data();
     args.ldy = n;
-    sparse24::spmm(args, isa, parallel_for);  // NaN/inf in x propagate as in a dense matmul
+    // Validates meta as it goes (InvalidArgument naming the first bad row and group); NaN/inf in x
+    // propagate as in a dense matmul.
+    const std::string error = sparse24::spmm(args, isa, PoolParallelFor(ctx));
+    OP_REQUIRES(ctx, error.empty(), InvalidArgument("Sparse24MatMul: ", error));
   }
 };
 
