@@ -149,6 +149,9 @@ std::string compress(DType dtype, const void* dense, int64_t k, int64_t n, void*
 
 bool meta_rows_valid(const uint8_t* meta, int64_t k, int64_t row_begin, int64_t row_end) {
   const int64_t mcols = meta_cols(k), full = k / 8;
+  if (full == mcols) {  // K % 8 == 0: the rows are one run of whole bytes
+    return full_bytes_valid(meta + row_begin * mcols, (row_end - row_begin) * mcols);
+  }
   for (int64_t r = row_begin; r < row_end; ++r) {
     const uint8_t* m = meta + r * mcols;
     if (!full_bytes_valid(m, full)) return false;
