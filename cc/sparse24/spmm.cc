@@ -34,9 +34,9 @@ struct Plan {
 };
 
 Plan make_plan(Isa isa, int64_t M, int64_t N) {
-  // Panel tiles are wide (each tile streams every x^T panel once) but leave >= 16 units, so two
-  // threads stay balanced when N is small (768 columns -> 16 tiles of 48).
-  const int64_t panel_tile = std::clamp<int64_t>((N / 16 + 7) / 8 * 8, 16, 256);
+  // Panel tiles are wide (each tile streams every x^T panel once) but leave about 32 units, so the
+  // threads stay balanced when N is small (768 columns -> 32 tiles of 24, 3072 -> 32 of 96).
+  const int64_t panel_tile = std::clamp<int64_t>((N / 32 + 7) / 8 * 8, 16, 256);
   switch (isa) {
     case Isa::kAvx512:
       if (M > kGemvMaxRows) {
@@ -220,12 +220,16 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
     prepare_rows<DType::kFloat16>(a, parallel_for, rows.get(), bad.data());
   }
 
-  // Units are column-tile major, so a thread's consecutive units reuse one tile's values.
+  // Units are column-tile major, so consecutive units reuse one tile's values. Each task the pool
+  // runs takes units from a shared counter until none are left (not the block it was handed), so
+  // a thread slowed by other load on the machine takes fewer units instead of finishing last.
   const Schedule s = make_schedule(plan, a.M, a.N);
+  const int64_t units = s.col_tiles * s.row_blocks;
   const int64_t cost = s.tile * std::min(a.M, s.block_rows) * a.K / 8 + 1;
   std::atomic<bool> meta_ok{true};
-  parallel_for(s.col_tiles * s.row_blocks, cost, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
+  std::atomic<int64_t> next_unit{0};
+  parallel_for(units, cost, [&](int64_t, int64_t) {
+    for (int64_t u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < units;) {
       const int64_t n0 = u / s.row_blocks * s.tile, m0 = u % s.row_blocks * s.block_rows;
       const int64_t n1 = std::min(a.N, n0 + s.tile);
       if (!meta_rows_valid(a.meta, a.K, n0, n1)) {
