@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the framework-free GPU harness (cc/sparse24/gpu_check.cu) with nvcc, runs its checks and
 # its cuSPARSELt-vs-cuBLAS timings, then the PyTorch peer (bench/gpu_peer_torch.py) on the same
-# shapes, and prints both tables last. Needs an NVIDIA GPU (sm_80+), nvcc, and the cuSPARSELt and
+# shapes, and prints both tables last. First, since the GPU machine's host CPU likely has the
+# AVX-512 this project's development machine lacks, scripts/cpu_isa_check.py runs the CPU core test
+# and a short single-thread bench of every CPU kernel variant there (about a minute). Needs an NVIDIA GPU (sm_80+), nvcc, and the cuSPARSELt and
 # cuBLAS libraries, found in the Python environment's nvidia-* wheels (nvidia/*/lib), $CUDA_HOME/lib64
 # or the loader path; no TensorFlow. Logs and CSV go to $OUT when it is set.
 #
@@ -76,6 +78,14 @@ fi
 if [[ -z "${GPU_CHECK_BIN:-}" && ! -x "$NVCC" ]]; then echo "gpu_check: nvcc not found (set NVCC or CUDA_HOME)"; exit 3; fi
 
 mkdir -p "$BUILD" "$LOG_DIR"
+run_cpu_check=1
+for a in ${args[@]+"${args[@]}"}; do
+  [[ "$a" == "--dry-run" || "$a" == "--help" || "$a" == "-h" ]] && run_cpu_check=0
+done
+if [[ $run_cpu_check == 1 ]]; then
+  "$PYTHON" scripts/cpu_isa_check.py --out "$LOG_DIR" 2>&1 | tee "$LOG_DIR/cpu_isa_check.out" ||
+    echo "cpu_isa_check: FAILED (see above); going on with the GPU checks"
+fi
 if [[ -n "$LT_HEADER" && -x "$NVCC" ]]; then
   # Our own declarations of the cuSPARSELt API (cc/sparse24/cusparselt.h) against the real header;
   # a mismatch stops here, before anything calls the library through wrong declarations. nvcc
@@ -106,6 +116,9 @@ peer_rc=$?
 set -e
 
 echo
+echo "== summary: CPU kernel variants on this host (scripts/cpu_isa_check.py)"
+grep -E '^(== cpu_isa_check|core_test|single-thread| +M x K|[ 0-9x]+ +[0-9.])' \
+    "$LOG_DIR/cpu_isa_check.out" 2>/dev/null || echo "(no CPU check log)"
 echo "== summary: tf_sparse24 harness (cuSPARSELt 2:4 vs cuBLAS dense)"
 sed -n '/^dtype /,/^Lt = /p' "$LOG_DIR/gpu_check.log"
 grep -E '^\s+\[FAIL\]|^gpu_check: ' "$LOG_DIR/gpu_check.log" | tail -n 20

@@ -1,12 +1,13 @@
 """Builds the C++ core test (cc/sparse24/core_test.cc) with ASan + UBSan and runs it."""
 
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
 
 import pytest
-from cc_build import compile_objects
+from cc_build import compile_objects, load_setup_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join(ROOT, "cc", "sparse24")
@@ -58,3 +59,17 @@ def test_core_under_asan_and_ubsan(core_test_binary):
         assert "spmm avx2 checked" in result.stdout
     if "avx512=1" in result.stdout:
         assert "spmm avx512 checked" in result.stdout
+
+
+def test_cpu_isa_check_script_builds_with_setup_py_flags():
+    # scripts/cpu_isa_check.py (run on lent machines whose CPUs have AVX-512) reads setup.py's
+    # ISA_FLAGS without importing it and builds the same core sources as the test above.
+    spec = importlib.util.spec_from_file_location(
+        "cpu_isa_check", os.path.join(ROOT, "scripts", "cpu_isa_check.py")
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.isa_flags() == load_setup_module().ISA_FLAGS
+    assert sorted(script.library_sources()) == sorted(
+        p for p in core_sources() if not p.endswith("core_test.cc")
+    )
