@@ -136,21 +136,13 @@ template <class V, int R, int S>
 struct Microkernel {
   static constexpr int64_t kWidth = R * V::kLanes;
 
-  // Row offsets (in floats) of the four kept elements a meta byte names, within the 8 panel rows
-  // of its two groups: 4 * kWidth * group + position * kWidth. One 4 KiB table per panel width
-  // turns the 2-bit fields into addresses with one load per kept element.
-  struct OffsetTable {
-    int32_t off[256][4];
-    constexpr OffsetTable() : off{} {
-      for (int b = 0; b < 256; ++b) {
-        off[b][0] = static_cast<int32_t>((b & 3) * kWidth);
-        off[b][1] = static_cast<int32_t>(((b >> 2) & 3) * kWidth);
-        off[b][2] = static_cast<int32_t>((4 + ((b >> 4) & 3)) * kWidth);
-        off[b][3] = static_cast<int32_t>((4 + (b >> 6)) * kWidth);
-      }
-    }
-  };
-  static constexpr OffsetTable kOffsets{};
+  // Row offset (in floats) of the kept element at 2-bit position `pos` of group `group` (0 or 1)
+  // of a meta byte's 8 panel rows: shifts, masks and a multiply by a constant on the integer ports,
+  // which have room, instead of a table load on the load ports, which the x loads and broadcasts
+  // keep busy (core bench A/B in cache: 5-8% faster than a 4 KiB offset table).
+  static inline int64_t row_offset(uint32_t pos, int group) {
+    return static_cast<int64_t>(4 * group + pos) * kWidth;
+  }
 
   // acc[s][r] += sum over the kept elements of groups [g0, g1) of one column, x block at xk
   // (xk points at the panel row of group g0's first k). vals: that column's values from group g0,
@@ -158,12 +150,10 @@ struct Microkernel {
   static inline void run(const float* xk, const float* vals, const uint8_t* meta, int64_t groups,
                          typename V::reg (&acc)[S][R]) {
     const int64_t bytes = groups / 2;
-    // The next byte's offsets are loaded one iteration ahead, so the meta -> table -> x address
-    // chain of a byte overlaps the FMAs of the one before.
-    const int32_t* next = kOffsets.off[bytes > 0 ? meta[0] : 0];
     for (int64_t j = 0; j < bytes; ++j) {  // one meta byte: 2 groups, 4 kept elements
-      const int32_t off[4] = {next[0], next[1], next[2], next[3]};
-      next = kOffsets.off[j + 1 < bytes ? meta[j + 1] : 0];
+      const uint32_t b = meta[j];
+      const int64_t off[4] = {row_offset(b & 3, 0), row_offset((b >> 2) & 3, 0),
+                              row_offset((b >> 4) & 3, 1), row_offset(b >> 6, 1)};
       const float* x0 = xk + j * 8 * kWidth;
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
@@ -176,14 +166,16 @@ struct Microkernel {
       }
     }
     if (groups & 1) {  // a trailing odd group: low nibble of the next byte
-      const int32_t* off = kOffsets.off[meta[bytes] & 0x0f];
+      const uint32_t b = meta[bytes];
       const float* x0 = xk + bytes * 8 * kWidth;
+      const float* x_lo = x0 + row_offset(b & 3, 0);
+      const float* x_hi = x0 + row_offset((b >> 2) & 3, 0);
       const typename V::reg v0 = V::broadcast(vals + 4 * bytes);
       const typename V::reg v1 = V::broadcast(vals + 4 * bytes + 1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        acc[0][r] = V::fmadd(v0, V::load(x0 + off[0] + r * V::kLanes), acc[0][r]);
-        acc[1 % S][r] = V::fmadd(v1, V::load(x0 + off[1] + r * V::kLanes), acc[1 % S][r]);
+        acc[0][r] = V::fmadd(v0, V::load(x_lo + r * V::kLanes), acc[0][r]);
+        acc[1 % S][r] = V::fmadd(v1, V::load(x_hi + r * V::kLanes), acc[1 % S][r]);
       }
     }
   }
