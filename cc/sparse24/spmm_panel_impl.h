@@ -1,5 +1,6 @@
 // The panel SpMM microkernel, written once over a SIMD traits type and instantiated per ISA
-// (spmm_panel_avx2.cc, spmm_panel_avx512.cc). Include only from those files.
+// (spmm_panel_avx2.cc, spmm_panel_avx512.cc), and the x^T pack it reads. Include only from those
+// files.
 //
 // x^T is packed in panels of kPanelRows rows: [K][width] floats, so the rows of one panel for one k
 // are `width` consecutive floats. For each output column n and each kept element (k, value) of

@@ -1,6 +1,5 @@
 // CPU kernels of Sparse24Compress / Sparse24Decompress / Sparse24MatMul: shape and input checks,
 // then the framework-free core (cc/sparse24/) on TensorFlow's intra-op thread pool.
-#include <atomic>
 #include <cstdlib>
 #include <string>
 
