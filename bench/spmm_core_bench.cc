@@ -1,7 +1,8 @@
 // Single-thread microbenchmark of sparse24::spmm (thread CPU time, so other load on the machine
 // skews it less than wall time). Not part of the op library or the tests.
 //   g++ -std=c++17 -O3 -I. bench/spmm_core_bench.cc cc/sparse24/spmm*.cc (minus *_test.cc)
-//       cc/sparse24/cpu_features.cc cc/sparse24/format.cc, with -mavx2 -mfma -mf16c on *_avx2.cc (see setup.py)
+//       cc/sparse24/cpu_features.cc cc/sparse24/format.cc, with -mavx2 -mfma -mf16c on *_avx2.cc
+//       (see setup.py)
 //   ./a.out M K N [isa: 1 scalar, 2 avx2, 3 avx512] [dtype: 0 f32, 1 bf16, 2 f16] [reps]
 #include <time.h>
 

@@ -28,8 +28,7 @@ constexpr int64_t kGemvMaxRows = 4;
 struct Plan {
   SpmmKernel kernel;
   spmm_internal::PanelPack pack;  // panel kernels: packs x^T (null: kernel reads float32 rows)
-  int64_t lanes;   // panel kernels: SIMD lanes; the tail panel's width is rounded up to them
-  int64_t tile;    // output columns per parallel work unit
+  int64_t tile;                   // output columns per parallel work unit
   bool panel() const { return pack != nullptr; }
 };
 
@@ -40,19 +39,19 @@ Plan make_plan(Isa isa, int64_t M, int64_t N) {
   switch (isa) {
     case Isa::kAvx512:
       if (M > kGemvMaxRows) {
-        return {spmm_internal::spmm_panel_avx512, spmm_internal::pack_panel_avx512, 16, panel_tile};
+        return {spmm_internal::spmm_panel_avx512, spmm_internal::pack_panel_avx512, panel_tile};
       }
-      return {spmm_internal::spmm_gemv_avx512, nullptr, 0, 64};
+      return {spmm_internal::spmm_gemv_avx512, nullptr, 64};
     case Isa::kAvx2:
       if (M > kGemvMaxRows) {
-        return {spmm_internal::spmm_panel_avx2, spmm_internal::pack_panel_avx2, 8, panel_tile};
+        return {spmm_internal::spmm_panel_avx2, spmm_internal::pack_panel_avx2, panel_tile};
       }
-      return {spmm_internal::spmm_gemv_avx2, nullptr, 0, 64};
+      return {spmm_internal::spmm_gemv_avx2, nullptr, 64};
     case Isa::kAuto:
     case Isa::kScalar:
       break;
   }
-  return {spmm_internal::spmm_rows_scalar, nullptr, 0, 16};
+  return {spmm_internal::spmm_rows_scalar, nullptr, 16};
 }
 
 // Parallel work units: output column tiles times blocks of whole panels (rows). A tile's values
@@ -131,16 +130,15 @@ void convert_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_
   }
 }
 
-// Packs x^T panel by panel (the tail panel's width rounded up to whole registers).
+// Packs x^T panel by panel (the plan's pack rounds the tail panel's width to its registers).
 void pack_panels(const SpmmArgs& a, const Plan& plan, const ParallelFor& parallel_for, float* xt,
                  uint8_t* bad) {
   const int64_t panels = (a.M + kPanelRows - 1) / kPanelRows;
   parallel_for(panels, kPanelRows * a.K, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t m0 = p * kPanelRows, rows = std::min(kPanelRows, a.M - m0);
-      const int64_t width = std::min(kPanelRows, (rows + plan.lanes - 1) / plan.lanes * plan.lanes);
       plan.pack(a.dtype, static_cast<const char*>(a.x) + m0 * a.ldx * dtype_size(a.dtype), a.ldx,
-                rows, a.K, width, xt + m0 * a.K, bad + m0);
+                rows, a.K, xt + m0 * a.K, bad + m0);
     }
   });
 }

@@ -33,21 +33,22 @@ struct SpmmWork {
 // Computes y[0:M, n0:n1]. Thread-safe for disjoint column ranges.
 using SpmmKernel = void (*)(const SpmmWork& work, int64_t n0, int64_t n1);
 
-// Packs `rows` (<= width) rows of x, row stride ldx elements of `dtype`, transposed into
-// xt [K][width] float32 (rows past `rows` zero, xt 32-byte aligned) and sets bad[r] = row r holds
-// NaN/Inf. One per panel ISA, beside its kernel.
+// Packs one panel, `rows` (<= kPanelRows) rows of x with row stride ldx elements of `dtype`,
+// transposed into xt [K][width] float32, width = rows rounded up to the ISA's registers (rows past
+// `rows` zero, xt 32-byte aligned), and sets bad[r] = row r holds NaN/Inf. One per panel ISA,
+// beside its kernel, which reads the panel at the same width.
 using PanelPack = void (*)(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
-                           int64_t width, float* xt, uint8_t* bad);
+                           float* xt, uint8_t* bad);
 
 void spmm_rows_scalar(const SpmmWork& work, int64_t n0, int64_t n1);
 void spmm_gemv_avx2(const SpmmWork& work, int64_t n0, int64_t n1);
 void spmm_panel_avx2(const SpmmWork& work, int64_t n0, int64_t n1);
-void pack_panel_avx2(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
-                     int64_t width, float* xt, uint8_t* bad);
+void pack_panel_avx2(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,
+                     uint8_t* bad);
 void spmm_gemv_avx512(const SpmmWork& work, int64_t n0, int64_t n1);
 void spmm_panel_avx512(const SpmmWork& work, int64_t n0, int64_t n1);
-void pack_panel_avx512(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
-                       int64_t width, float* xt, uint8_t* bad);
+void pack_panel_avx512(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,
+                       uint8_t* bad);
 
 inline float load_f32(DType dtype, const void* p, int64_t i) {
   switch (dtype) {

@@ -32,9 +32,9 @@ void spmm_panel_avx2(const SpmmWork& work, int64_t n0, int64_t n1) {
   panel::run_panels<Avx2>(work, n0, n1);
 }
 
-void pack_panel_avx2(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
-                     int64_t width, float* xt, uint8_t* bad) {
-  panel::pack_panel(dtype, x, ldx, rows, K, width, xt, bad);
+void pack_panel_avx2(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,
+                     uint8_t* bad) {
+  panel::pack_panel<Avx2>(dtype, x, ldx, rows, K, xt, bad);
 }
 
 }  // namespace spmm_internal

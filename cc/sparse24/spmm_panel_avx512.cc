@@ -1,6 +1,6 @@
-// AVX-512 (F/BW/VL/DQ) instantiation of the panel SpMM kernel: 16 float32 lanes, a 48-row panel is
-// three zmm registers. Compiled everywhere, run only where CPUID reports AVX-512 (not on the machine
-// this was developed on; see docs/KERNELS.md).
+// AVX-512 (F/BW/VL/DQ) instantiation of the panel SpMM kernel: 16 float32 lanes, a 48-row panel
+// is three zmm registers. Compiled everywhere, run only where CPUID reports AVX-512 (not on the
+// machine this was developed on; see docs/KERNELS.md).
 // GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on their own _mm512_undefined_*.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -36,9 +36,9 @@ void spmm_panel_avx512(const SpmmWork& work, int64_t n0, int64_t n1) {
   panel::run_panels<Avx512>(work, n0, n1);
 }
 
-void pack_panel_avx512(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
-                     int64_t width, float* xt, uint8_t* bad) {
-  panel::pack_panel(dtype, x, ldx, rows, K, width, xt, bad);
+void pack_panel_avx512(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,
+                       uint8_t* bad) {
+  panel::pack_panel<Avx512>(dtype, x, ldx, rows, K, xt, bad);
 }
 
 }  // namespace spmm_internal

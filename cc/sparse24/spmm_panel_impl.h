@@ -114,8 +114,8 @@ static void pack_panel_as(const void* x, int64_t ldx, int64_t rows, int64_t K, i
   }
 }
 
-static void pack_panel(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
-                       int64_t width, float* xt, uint8_t* bad) {
+static void pack_transposed(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
+                            int64_t width, float* xt, uint8_t* bad) {
   switch (dtype) {
     case DType::kFloat32:
       return pack_panel_as<DType::kFloat32>(x, ldx, rows, K, width, xt, bad);
@@ -279,6 +279,21 @@ constexpr int64_t k_block_for(int64_t width) { return 4096 / width / 8 * 8; }
 // Accumulator sets for R registers per panel row: R * S >= 8 independent FMA chains.
 constexpr int accumulator_sets(int R) { return (8 + R - 1) / R; }
 
+// Registers per panel row for a panel of `rows` (<= kPanelRows) rows: the tail panel's width is
+// rounded up to whole registers, and the pack zero-fills the rows past M. The pack and the kernel
+// both take the width from here.
+template <class V>
+constexpr int panel_regs(int64_t rows) {
+  return static_cast<int>((rows + V::kLanes - 1) / V::kLanes);
+}
+
+// One panel of x (`rows` <= kPanelRows rows) packed for the kernel of V: see pack_transposed.
+template <class V>
+void pack_panel(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,
+                uint8_t* bad) {
+  pack_transposed(dtype, x, ldx, rows, K, panel_regs<V>(rows) * V::kLanes, xt, bad);
+}
+
 // The tail panel: fewer than kPanelRows rows, `regs` (<= kPanelRows / lanes) registers wide.
 template <class V, int R>
 void tail_panel(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
@@ -302,8 +317,7 @@ void run_panels(const SpmmWork& w, int64_t n0, int64_t n1) {
   }
   const int64_t rows = w.M - m0;
   if (rows == 0) return;
-  const int regs = static_cast<int>((rows + V::kLanes - 1) / V::kLanes);
-  tail_panel<V, kFullR>(w, w.xt + m0 * w.K, m0, rows, n0, n1, regs);
+  tail_panel<V, kFullR>(w, w.xt + m0 * w.K, m0, rows, n0, n1, panel_regs<V>(rows));
 }
 
 }  // namespace panel
