@@ -3,9 +3,9 @@
 # its cuSPARSELt-vs-cuBLAS timings, then the PyTorch peer (bench/gpu_peer_torch.py) on the same
 # shapes, and prints both tables last. First, since the GPU machine's host CPU likely has the
 # AVX-512 this project's development machine lacks, scripts/cpu_isa_check.py runs the CPU core test
-# and a short single-thread bench of every CPU kernel variant there (about a minute). Needs an NVIDIA GPU (sm_80+), nvcc, and the cuSPARSELt and
-# cuBLAS libraries, found in the Python environment's nvidia-* wheels (nvidia/*/lib), $CUDA_HOME/lib64
-# or the loader path; no TensorFlow. Logs and CSV go to $OUT when it is set.
+# and a short single-thread bench of every CPU kernel variant there (about a minute). Needs an
+# NVIDIA GPU (sm_80+), nvcc, and the cuSPARSELt and cuBLAS libraries, found in the Python
+# environment's nvidia-* wheels (nvidia/*/lib), $CUDA_HOME/lib64 or the loader path; no TensorFlow. Logs and CSV go to $OUT when it is set.
 #
 #   bash scripts/gpu_check.sh                 # everything (about 2-4 minutes on an H200)
 #   bash scripts/gpu_check.sh --find-only     # just report which nvcc/libraries would be used
@@ -18,9 +18,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 find_only=0
+no_gpu_work=0  # --dry-run / --help: the harness parses flags and returns; nothing is measured
 args=()
 for a in "$@"; do
   if [[ "$a" == "--find-only" ]]; then find_only=1; else args+=("$a"); fi
+  [[ "$a" == "--dry-run" || "$a" == "--help" || "$a" == "-h" ]] && no_gpu_work=1
 done
 
 if [[ -z "${PYTHON:-}" ]]; then
@@ -78,11 +80,7 @@ fi
 if [[ -z "${GPU_CHECK_BIN:-}" && ! -x "$NVCC" ]]; then echo "gpu_check: nvcc not found (set NVCC or CUDA_HOME)"; exit 3; fi
 
 mkdir -p "$BUILD" "$LOG_DIR"
-run_cpu_check=1
-for a in ${args[@]+"${args[@]}"}; do
-  [[ "$a" == "--dry-run" || "$a" == "--help" || "$a" == "-h" ]] && run_cpu_check=0
-done
-if [[ $run_cpu_check == 1 ]]; then
+if [[ $no_gpu_work == 0 ]]; then
   "$PYTHON" scripts/cpu_isa_check.py --out "$LOG_DIR" 2>&1 | tee "$LOG_DIR/cpu_isa_check.out" ||
     echo "cpu_isa_check: FAILED (see above); going on with the GPU checks"
 fi
@@ -107,9 +105,7 @@ set +e
 "$HARNESS" ${LT_LIB:+--cusparselt "$LT_LIB"} ${CUBLAS:+--cublas "$CUBLAS"} \
     --out "$LOG_DIR" ${args[@]+"${args[@]}"}
 rc=$?
-for a in ${args[@]+"${args[@]}"}; do
-  [[ "$a" == "--dry-run" || "$a" == "--help" || "$a" == "-h" ]] && exit $rc
-done
+[[ $no_gpu_work == 1 ]] && exit $rc
 [[ $rc == 2 || $rc == 3 ]] && exit $rc
 PYTHONUNBUFFERED=1 "$PYTHON" bench/gpu_peer_torch.py --out "$LOG_DIR" ${args[@]+"${args[@]}"}
 peer_rc=$?
