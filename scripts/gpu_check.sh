@@ -5,7 +5,8 @@
 # AVX-512 this project's development machine lacks, scripts/cpu_isa_check.py runs the CPU core test
 # and a short single-thread bench of every CPU kernel variant there (about a minute). Needs an
 # NVIDIA GPU (sm_80+), nvcc, and the cuSPARSELt and cuBLAS libraries, found in the Python
-# environment's nvidia-* wheels (nvidia/*/lib), $CUDA_HOME/lib64 or the loader path; no TensorFlow. Logs and CSV go to $OUT when it is set.
+# environment's nvidia-* wheels (nvidia/*/lib), $CUDA_HOME/lib64 or the loader path; no
+# TensorFlow. Logs and CSV go to $OUT when it is set.
 #
 #   bash scripts/gpu_check.sh                 # everything (about 2-4 minutes on an H200)
 #   bash scripts/gpu_check.sh --find-only     # just report which nvcc/libraries would be used
