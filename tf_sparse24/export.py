@@ -51,6 +51,9 @@ from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
 from tf_sparse24 import portable
 from tf_sparse24.metadata import ExportError
+from tf_sparse24.prune import walk_layers
+from tf_sparse24.registry import eligible_weights
+from tf_sparse24.wrapper import Sparse24
 
 SIGNATURE = "serving_default"
 ACCELERATED_OPS = frozenset({"Sparse24MatMul", "Sparse24Decompress"})
@@ -268,11 +271,7 @@ def _compress(name: str, value: np.ndarray, axis: int) -> tuple[np.ndarray, np.n
 def _sparse_weights(model: keras.Model) -> list[_Sparse]:
     """In model order: the pruned weights of wrappers, the exactly-2:4 eligible kernels of plain
     layers."""
-    from tf_sparse24.prune import _walk  # noqa: PLC0415
-    from tf_sparse24.registry import eligible_weights  # noqa: PLC0415
-    from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
-
-    layers = _walk(model)  # nested models and custom layers too; wrappers are not entered
+    layers = walk_layers(model)  # nested models and custom layers too; wrappers are not entered
     wrappers = [layer for layer in layers if isinstance(layer, Sparse24)]
     wrapped = {id(layer.layer) for layer in wrappers}
     # A weight is compressed once: a wrapped one as its masked value, a plain one where first
@@ -352,8 +351,6 @@ def signature_output_names(model: keras.Model, outputs) -> list[str]:
     A `Sparse24` wrapper's output is named after the wrapped layer, so pruning, stripping and
     exporting keep the names of the original model.
     """
-    from tf_sparse24.wrapper import Sparse24  # noqa: PLC0415
-
     if isinstance(outputs, dict):
         return [_identifier(k, f"output_{i}") for i, k in enumerate(sorted(outputs))]
     flat = keras.tree.flatten(outputs)
@@ -455,9 +452,7 @@ class _SparseCall:
 def _sparse_call(item: _Sparse, values: tf.Variable, meta: tf.Variable, ops) -> _SparseCall | None:
     """The `_SparseCall` that computes `item`'s layer from its stored form, or None if the kernel
     belongs to no plain Dense / EinsumDense (sub)layer that is a matmul (then: dense at load)."""
-    from tf_sparse24.prune import _walk  # noqa: PLC0415
-
-    for layer in [item.layer, *_walk(item.layer)]:
+    for layer in [item.layer, *walk_layers(item.layer)]:
         if (
             type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)  # not subclasses
             and not getattr(layer, "lora_enabled", False)

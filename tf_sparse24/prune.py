@@ -23,7 +23,9 @@ from tf_sparse24.masks import compute_mask, is_nm_sparse, parse_pattern
 from tf_sparse24.registry import eligible_weights, scan_layer
 from tf_sparse24.wrapper import Sparse24
 
-__all__ = ["LayerReport", "eligible_weights", "prune", "pruned_layers", "report", "strip"]
+__all__ = [
+    "LayerReport", "eligible_weights", "prune", "pruned_layers", "report", "strip", "walk_layers",
+]
 
 
 def _sublayers(layer) -> list:
@@ -37,8 +39,9 @@ def _sublayers(layer) -> list:
     return found
 
 
-def _walk(model) -> list:
-    """Every layer under `model` (depth first, each once; wrappers are not entered)."""
+def walk_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """Every layer under `model` (depth first, each once; wrappers are not entered): nested models
+    and the Layer-valued attributes of custom layers included."""
     seen, out = set(), []
 
     def visit(layer):
@@ -55,7 +58,7 @@ def _walk(model) -> list:
 
 def pruned_layers(model: keras.layers.Layer) -> list[Sparse24]:
     """All `Sparse24` wrappers in `model`, nested models and custom layers included."""
-    return [layer for layer in _walk(model) if isinstance(layer, Sparse24)]
+    return [layer for layer in walk_layers(model) if isinstance(layer, Sparse24)]
 
 
 def _check_model(model, what: str) -> None:
@@ -77,7 +80,7 @@ def _matches(layer, selectors) -> bool:
 
 def _check_selectors(model, selectors, arg: str) -> list:
     selectors = list(selectors or [])
-    names = {layer.name for layer in _walk(model)}
+    names = {layer.name for layer in walk_layers(model)}
     unknown = [s for s in selectors if isinstance(s, str) and s not in names]
     if unknown:
         raise ValueError(f"{arg}: no layer named {unknown} in model {model.name!r}.")
@@ -90,7 +93,7 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
     layers = _check_selectors(model, layers, "layers")
     skip = _check_selectors(model, skip, "skip")
     plan = {}
-    for layer in _walk(model):
+    for layer in walk_layers(model):
         if isinstance(layer, (keras.Model, Sparse24)) or not layer.weights:
             continue
         if (layers and not _matches(layer, layers)) or _matches(layer, skip):
@@ -274,7 +277,7 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
     """
     _check_model(model, "report")
     rows = []
-    for layer in _walk(model):
+    for layer in walk_layers(model):
         if isinstance(layer, keras.Model):
             continue
         if isinstance(layer, Sparse24):
