@@ -331,7 +331,10 @@ struct LtRunner {
   Buf compressed, workspace;
   int64_t m_pad;
   std::string error;
-  LtRunner(gpu::LtContext* c, const Problem& p) : ctx(c), m_pad(gpu::lt_padded_rows(p.M)) {
+  // with_plan false: the compressed operand only (a plan does not depend on the data pointers,
+  // so the timing copies of one shape share the first copy's plan and workspace).
+  LtRunner(gpu::LtContext* c, const Problem& p, bool with_plan = true)
+      : ctx(c), m_pad(gpu::lt_padded_rows(p.M)) {
     Buf wt(p.N * p.K * esize(p.t));
     wt.poison();
     CUDA_OK(gpu::decompress(p.t, p.values.p, p.meta.get<uint8_t>(), p.K, p.N, true, wt.p, 0));
@@ -342,6 +345,7 @@ struct LtRunner {
     error = operand.compress(wt.p, compressed.p, scratch.p, 0);
     if (!error.empty()) return;
     CUDA_OK(cudaDeviceSynchronize());
+    if (!with_plan) return;
     error = plan.init(ctx, p.t, m_pad, p.K, p.N);
     if (!error.empty()) return;
     workspace = Buf(plan.workspace_bytes());
@@ -550,14 +554,38 @@ struct Row {
   std::string dtype;
   int64_t M, K, N;
   double dense_ms, lt_ms, lt_search_ms, err;
-  int config;
+  int config, copies;
 };
+
+const char* kRowHeader =
+    "%-5s %6s %6s %6s | %10s %10s %10s | %8s %8s | %8s %8s | %8s %6s\n";
+
+void print_header() {
+  out(kRowHeader, "dtype", "M", "K", "N", "cuBLAS ms", "Lt ms", "Lt* ms", "Lt/dense", "Lt*/dns",
+      "TF/s dns", "TF/s Lt*", "rel err", "copies");
+}
+
+// One table row to the log, and to the CSV (flushed: a later fatal error keeps what was measured).
+void print_row(const Row& r, FILE* csv) {
+  const double flop = 2.0 * r.M * r.K * r.N;
+  out("%-5s %6ld %6ld %6ld | %10.4f %10.4f %10.4f | %7.2fx %7.2fx | %8.1f %8.1f | %8.1e %6d\n",
+      r.dtype.c_str(), (long)r.M, (long)r.K, (long)r.N, r.dense_ms, r.lt_ms, r.lt_search_ms,
+      r.dense_ms / r.lt_ms, r.dense_ms / r.lt_search_ms, flop / r.dense_ms / 1e9,
+      flop / r.lt_search_ms / 1e9, r.err, r.copies);
+  if (csv) {
+    fprintf(csv, "%s,%ld,%ld,%ld,%.6f,%.6f,%.6f,%d,%.3e,%d\n", r.dtype.c_str(), (long)r.M,
+            (long)r.K, (long)r.N, r.dense_ms, r.lt_ms, r.lt_search_ms, r.config, r.err, r.copies);
+    fflush(csv);
+  }
+}
 
 Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, int64_t N,
           int warmup, int reps, int check_rows, size_t l2_bytes) {
   const int64_t m_pad = gpu::lt_padded_rows(M), es = esize(t);
+  // Enough copies of the operands, used in turn, that the timed calls read them from memory
+  // rather than from L2 (> 3x L2 in all; 38 copies of a batch-1 768x3072 bf16 problem on an H200).
   const size_t set_bytes = (K * N + m_pad * K + m_pad * N) * es;
-  const int copies = static_cast<int>(std::clamp<size_t>(3 * l2_bytes / set_bytes + 1, 1, 8));
+  const int copies = static_cast<int>(std::clamp<size_t>(3 * l2_bytes / set_bytes + 1, 1, 64));
   std::vector<Problem> ps;  // x has m_pad rows; cuBLAS uses and the check reads the first M
   ps.reserve(copies);
   std::vector<std::unique_ptr<LtRunner>> lts;
@@ -565,11 +593,11 @@ Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, 
   for (int c = 0; c < copies; ++c) {
     ps.emplace_back(t, m_pad, K, N);
     if (ps.back().compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
-    lts.push_back(std::make_unique<LtRunner>(ctx, ps.back()));
+    lts.push_back(std::make_unique<LtRunner>(ctx, ps.back(), /*with_plan=*/c == 0));
     ys.emplace_back(m_pad * N * es);
   }
   CUDA_OK(cudaDeviceSynchronize());
-  Row row{dname(t), M, K, N, 0, NAN, NAN, NAN, -1};
+  Row row{dname(t), M, K, N, 0, NAN, NAN, NAN, -1, copies};
   row.dense_ms = time_ms([&](int i) { cublas_run(cb, ps[i], M, ps[i].w.p, ps[i].x.p, ys[i].p); },
                          copies, warmup, reps);
   for (auto& lt : lts) {
@@ -587,22 +615,19 @@ Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, 
   verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
           fmt("bench shape %s M=%ld K=%ld N=%ld: cuSPARSELt rel err %.2e on %d rows, unwritten %ld",
               dname(t), (long)M, (long)K, (long)N, c.rel_err, check_rows, (long)c.bad_outputs));
+  LtRunner& lt0 = *lts[0];  // its plan and workspace serve every copy
   auto lt_launch = [&](int i) {
-    LT_OK(lts[i]->plan.run(lts[i]->compressed.p, ps[i].x.p, ys[i].p, lts[i]->workspace.p, 0));
+    LT_OK(lt0.plan.run(lts[i]->compressed.p, ps[i].x.p, ys[i].p, lt0.workspace.p, 0));
   };
   row.lt_ms = time_ms(lt_launch, copies, warmup, reps);
-  // cusparseLtMatmulSearch on every copy's plan (copy 0's chosen configuration is reported).
-  for (int i = 0; i < copies; ++i) {
-    int config = -1;
-    const std::string error = lts[i]->plan.search(lts[i]->compressed.p, ps[i].x.p, ys[i].p,
-                                                  lts[i]->workspace.p, 0, &config);
-    if (!error.empty()) {
-      verdict(false, fmt("bench shape %s M=%ld K=%ld N=%ld: ", dname(t), (long)M, (long)K, (long)N) + error);
-      return row;
-    }
-    if (i == 0) row.config = config;
-    lts[i]->workspace = Buf(lts[i]->plan.workspace_bytes());
+  // cusparseLtMatmulSearch once, on copy 0; the chosen configuration is reported.
+  const std::string error = lt0.plan.search(lt0.compressed.p, ps[0].x.p, ys[0].p, lt0.workspace.p,
+                                            0, &row.config);
+  if (!error.empty()) {
+    verdict(false, fmt("bench shape %s M=%ld K=%ld N=%ld: ", dname(t), (long)M, (long)K, (long)N) + error);
+    return row;
   }
+  lt0.workspace = Buf(lt0.plan.workspace_bytes());
   // The searched configuration must compute the same product.
   ys[0].poison();
   LT_OK(lts[0]->plan.run(lts[0]->compressed.p, ps[0].x.p, ys[0].p, lts[0]->workspace.p, 0));
@@ -765,35 +790,31 @@ int main(int argc, char** argv) {
 
   std::vector<Row> rows;
   if (!args.skip_bench) {
-    out("\n== benchmark: cuSPARSELt 2:4 vs cuBLAS dense (median ms of %d timed batches)\n", args.reps);
-    for (DType t : args.dtypes) {
-      for (int64_t s : args.sizes) {
-        rows.push_back(bench(ctx, cb, t, s, s, s, args.warmup, args.reps, args.check_rows, prop.l2CacheSize));
-      }
-      for (auto [K, N] : args.ffn) {
-        for (int64_t b : args.batches) {
-          rows.push_back(bench(ctx, cb, t, b, K, N, args.warmup, args.reps, args.check_rows, prop.l2CacheSize));
-        }
-      }
-    }
+    out("\n== benchmark: cuSPARSELt 2:4 vs cuBLAS dense (median ms of %d timed batches); each row\n"
+        "   as it is measured, the whole table again at the end\n", args.reps);
     FILE* csv = nullptr;
     if (!args.out_dir.empty()) csv = fopen((args.out_dir + "/gpu_check.csv").c_str(), "w");
-    if (csv) fprintf(csv, "dtype,M,K,N,cublas_ms,cusparselt_ms,cusparselt_search_ms,config,rel_err\n");
-    out("\n%-5s %6s %6s %6s | %10s %10s %10s | %8s %8s | %8s %8s | %8s\n", "dtype", "M", "K", "N",
-        "cuBLAS ms", "Lt ms", "Lt* ms", "Lt/dense", "Lt*/dns", "TF/s dns", "TF/s Lt*", "rel err");
-    for (const Row& r : rows) {
-      const double flop = 2.0 * r.M * r.K * r.N;
-      out("%-5s %6ld %6ld %6ld | %10.4f %10.4f %10.4f | %7.2fx %7.2fx | %8.1f %8.1f | %8.1e\n",
-          r.dtype.c_str(), (long)r.M, (long)r.K, (long)r.N, r.dense_ms, r.lt_ms, r.lt_search_ms,
-          r.dense_ms / r.lt_ms, r.dense_ms / r.lt_search_ms, flop / r.dense_ms / 1e9,
-          flop / r.lt_search_ms / 1e9, r.err);
-      if (csv) fprintf(csv, "%s,%ld,%ld,%ld,%.6f,%.6f,%.6f,%d,%.3e\n", r.dtype.c_str(), (long)r.M,
-                       (long)r.K, (long)r.N, r.dense_ms, r.lt_ms, r.lt_search_ms, r.config, r.err);
+    if (csv) fprintf(csv, "dtype,M,K,N,cublas_ms,cusparselt_ms,cusparselt_search_ms,config,rel_err,copies\n");
+    print_header();
+    auto measure = [&](DType t, int64_t M, int64_t K, int64_t N) {
+      rows.push_back(bench(ctx, cb, t, M, K, N, args.warmup, args.reps, args.check_rows, prop.l2CacheSize));
+      print_row(rows.back(), csv);
+    };
+    for (DType t : args.dtypes) {
+      for (int64_t s : args.sizes) measure(t, s, s, s);
+      for (auto [K, N] : args.ffn) {
+        for (int64_t b : args.batches) measure(t, b, K, N);
+      }
     }
     if (csv) fclose(csv);
+    out("\n== benchmark table\n");
+    print_header();
+    for (const Row& r : rows) print_row(r, nullptr);
     out("Lt = cuSPARSELt default config; Lt* = after cusparseLtMatmulSearch. Ratios > 1: 2:4 faster.\n"
         "TF/s counts the dense-equivalent 2*M*K*N flops. Lt runs M rounded up to a multiple of\n"
-        "%ld (the op copies x into such a padded buffer; that copy is not in these times).\n",
+        "%ld (the op copies x into such a padded buffer; that copy is not in these times).\n"
+        "copies: operand sets used in turn so that each call reads from memory, not L2. Calls are\n"
+        "launched back to back from the host: times of a few microseconds may be launch-bound.\n",
         (long)gpu::kLtRowMultiple);
   }
   out("\ngpu_check: %s (%d failed check%s)\n", g_failures ? "FAILED" : "all checks passed",

@@ -66,7 +66,14 @@ LtContext* LtContext::get(std::string* error) {
              " (cuSPARSELt needs compute capability 8.0 or newer)";
     return nullptr;
   }
-  api->GetVersion(&ctx->handle_, &ctx->version_);
+  // major * 1000 + minor * 100 + patch. Before 0.6 the compute-type enum differed (value 2, our
+  // CUSPARSE_COMPUTE_32F, meant TF32), so an older library is refused rather than misread.
+  if (api->GetVersion(&ctx->handle_, &ctx->version_) != lt::kSuccess || ctx->version_ < 600) {
+    *error = "cuSPARSELt version code " + std::to_string(ctx->version_) +
+             " found; tf_sparse24 needs 0.6 (600) or newer (pip install 'nvidia-cusparselt-cu12>=0.6')";
+    api->Destroy(&ctx->handle_);
+    return nullptr;
+  }
   return contexts->emplace(device, std::move(ctx)).first->second.get();
 }
 
