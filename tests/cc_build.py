@@ -22,18 +22,45 @@ def load_setup_module():
     return module
 
 
-def compile_objects(sources: list[str], out_dir: str, flags: list[str], cxx: str = "g++") -> list[str]:
+EMULATION = os.path.join(ROOT, "tests", "emulated_avx512")
+
+
+def simde_available(cxx: str = "g++") -> bool:
+    """Whether SIMDe's AVX-512 header (Debian's libsimde-dev) is on the compiler's include path."""
+    probe = subprocess.run([cxx, "-std=c++17", "-x", "c++", "-E", "-o", os.devnull, "-"],
+                           input="#include <simde/x86/avx512.h>\n", capture_output=True,
+                           text=True, check=False)  # fmt: skip
+    return probe.returncode == 0
+
+
+def compile_objects(sources: list[str], out_dir: str, flags: list[str], cxx: str = "g++",
+                    emulate_avx512: bool = False) -> list[str]:
     """Compiles each source to out_dir/<name>.o in parallel, adding setup.py's ISA flags per file.
+
+    emulate_avx512: the *_avx512.cc files are compiled with the AVX2 flags and SIMDe standing in
+    for the AVX-512 intrinsics (tests/emulated_avx512/simde_avx512.h), and every ISA is reported
+    supported (cpu_features.cc's isa_supported made weak, all_isas_supported.cc linked instead),
+    so the AVX-512 kernels run, emulated, on an AVX2 CPU.
 
     Raises subprocess.CalledProcessError (with stderr) on the first failure.
     """
-    isa_flags = load_setup_module().ISA_FLAGS
+    isa_flags = dict(load_setup_module().ISA_FLAGS)
+    if emulate_avx512:
+        isa_flags["_avx512.cc"] = [*isa_flags["_avx2.cc"], "-Wno-psabi",
+                                   "-include", os.path.join(EMULATION, "simde_avx512.h")]
+        sources = [*sources, os.path.join(EMULATION, "all_isas_supported.cc")]
 
     def compile_one(src: str) -> str:
         obj = os.path.join(out_dir, os.path.basename(src) + ".o")
         isa = next((f for suffix, f in isa_flags.items() if src.endswith(suffix)), [])
         cmd = [cxx, "-std=c++17", "-Wall", *flags, *isa, f"-I{ROOT}", "-c", src, "-o", obj]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
+        if emulate_avx512 and os.path.basename(src) == "cpu_features.cc":
+            symbols = subprocess.run(["nm", obj], check=True, capture_output=True, text=True)
+            name = next(line.split()[-1] for line in symbols.stdout.splitlines()
+                        if line.split()[-1].startswith("_ZN8sparse2413isa_supported"))  # fmt: skip
+            subprocess.run(["objcopy", f"--weaken-symbol={name}", obj], check=True,
+                           capture_output=True, text=True)  # fmt: skip
         return obj
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

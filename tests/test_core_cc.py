@@ -1,4 +1,5 @@
-"""Builds the C++ core test (cc/sparse24/core_test.cc) with ASan + UBSan and runs it."""
+"""Builds the C++ core test (cc/sparse24/core_test.cc) with ASan + UBSan and runs it: natively, and
+with the AVX-512 kernels emulated by SIMDe on this AVX2 CPU (tests/emulated_avx512)."""
 
 import glob
 import importlib.util
@@ -7,7 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-from cc_build import compile_objects, load_setup_module
+from cc_build import compile_objects, load_setup_module, simde_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join(ROOT, "cc", "sparse24")
@@ -25,14 +26,13 @@ def core_sources() -> list[str]:
     return [os.path.join(CORE, name) for name in names] + sorted(spmm)
 
 
-@pytest.fixture(scope="module")
-def core_test_binary(tmp_path_factory) -> str:
+def _build_core_test(out, emulate_avx512: bool = False) -> str:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         pytest.fail(f"the C++ core test needs a C++ compiler; {cxx!r} is not on PATH")
-    out = tmp_path_factory.mktemp("core_test")
     try:
-        objects = compile_objects(core_sources(), str(out), ["-O0", "-g", *SANITIZE], cxx=cxx)
+        objects = compile_objects(core_sources(), str(out), ["-O0", "-g", *SANITIZE], cxx=cxx,
+                                  emulate_avx512=emulate_avx512)  # fmt: skip
     except subprocess.CalledProcessError as e:
         pytest.fail(f"compiling the core test failed:\n{' '.join(e.cmd)}\n{e.stderr[-4000:]}")
     binary = str(out / "core_test")
@@ -40,25 +40,56 @@ def core_test_binary(tmp_path_factory) -> str:
     return binary
 
 
-def test_core_under_asan_and_ubsan(core_test_binary):
+def _run_core_test(binary: str) -> str:
+    """Runs it under the sanitizers; returns stdout after asserting a clean pass."""
     env = dict(
         os.environ,
         ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
         UBSAN_OPTIONS="print_stacktrace=1",
     )
     env.pop("LD_PRELOAD", None)
-    result = subprocess.run(
-        [core_test_binary], capture_output=True, text=True, env=env, timeout=300
-    )
+    result = subprocess.run([binary], capture_output=True, text=True, env=env, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "ALL PASSED" in result.stdout and "FAIL" not in output, output[-6000:]
     assert "runtime error" not in output and "AddressSanitizer" not in output, output[-6000:]
-    assert "spmm scalar checked" in result.stdout
-    if "avx2=1" in result.stdout:
-        assert "spmm avx2 checked" in result.stdout
-    if "avx512=1" in result.stdout:
-        assert "spmm avx512 checked" in result.stdout
+    return result.stdout
+
+
+def cpu_has_avx2() -> bool:
+    """What the AVX2 variant (and the emulation, built on it) needs: AVX2, FMA and F16C."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
+@pytest.fixture(scope="module")
+def core_test_binary(tmp_path_factory) -> str:
+    return _build_core_test(tmp_path_factory.mktemp("core_test"))
+
+
+def test_core_under_asan_and_ubsan(core_test_binary):
+    stdout = _run_core_test(core_test_binary)
+    assert "spmm scalar checked" in stdout
+    if "avx2=1" in stdout:
+        assert "spmm avx2 checked" in stdout
+    if "avx512=1" in stdout:
+        assert "spmm avx512 checked" in stdout
+
+
+def test_core_with_avx512_emulated(tmp_path):
+    """The AVX-512 kernels (never run on AVX-512 hardware by this project) through the whole core
+    test, their intrinsics emulated by SIMDe: the same checks against the scalar reference, bad
+    meta named from every work unit, NaN/Inf, tails; under ASan + UBSan."""
+    if not cpu_has_avx2():
+        pytest.skip("the emulation runs on the AVX2 variant's instructions; this CPU lacks them")
+    if not simde_available():
+        if os.environ.get("CI") == "true":
+            pytest.fail("SIMDe not found: CI must run the emulated AVX-512 kernels "
+                        "(apt-get install libsimde-dev)")  # fmt: skip
+        pytest.skip("SIMDe not found (apt-get install libsimde-dev); CI=true makes this fail")
+    stdout = _run_core_test(_build_core_test(tmp_path, emulate_avx512=True))
+    assert "avx512=1" in stdout and "spmm avx512 checked" in stdout, stdout[-3000:]
 
 
 def test_cpu_isa_check_script_builds_with_setup_py_flags():

@@ -1,4 +1,6 @@
-"""Kernel-level tests of the C++ SpMM core (cc/sparse24/spmm*.cc), every ISA variant forced.
+"""Kernel-level tests of the C++ SpMM core (cc/sparse24/spmm*.cc), every ISA variant forced; the
+AVX-512 one also as "avx512-emulated" (SIMDe standing in for its intrinsics on an AVX2 CPU, see
+tests/emulated_avx512), so it runs here although this CPU has no AVX-512.
 
 The core is compiled (once per source version, cached under build/) into a small shared library (cc/sparse24/spmm_ctypes_test.cc
 gives it C entry points) and driven with ctypes, so odd cases the TF op never passes (row strides,
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from cc_build import compile_objects
+from cc_build import EMULATION, compile_objects, simde_available
 
 from tf_sparse24 import format as fmt
 
@@ -39,19 +41,22 @@ def _sources() -> list[str]:
     return srcs + [os.path.join(core, name) for name in ("cpu_features.cc", "format.cc")]
 
 
-def _build(out_dir: str) -> str:
-    """Compiles the core into out_dir/libspmm_<hash of sources and headers>.so once (reused while
-    they match)."""
+def _build(out_dir: str, emulate_avx512: bool = False) -> str:
+    """Compiles the core into out_dir/libspmm[_emulated]_<hash of sources and headers>.so once
+    (reused while they match)."""
     srcs = _sources()
     headers = sorted(glob.glob(os.path.join(ROOT, "cc", "sparse24", "*.h")))
+    if emulate_avx512:
+        headers += sorted(glob.glob(os.path.join(EMULATION, "*")))
     digest = hashlib.sha1(
         b"".join(pathlib.Path(s).read_bytes() for s in srcs + headers)
     ).hexdigest()[:12]
-    lib_path = os.path.join(out_dir, f"libspmm_{digest}.so")
+    kind = "_emulated" if emulate_avx512 else ""
+    lib_path = os.path.join(out_dir, f"libspmm{kind}_{digest}.so")
     if os.path.exists(lib_path):
         return lib_path
     tmp = tempfile.mkdtemp(dir=out_dir)
-    objs = compile_objects(srcs, tmp, ["-O2", "-fPIC"])
+    objs = compile_objects(srcs, tmp, ["-O2", "-fPIC"], emulate_avx512=emulate_avx512)
     subprocess.run(
         ["g++", "-shared", *objs, "-o", os.path.join(tmp, "lib.so"), "-lpthread"],
         check=True,
@@ -63,11 +68,10 @@ def _build(out_dir: str) -> str:
     return lib_path
 
 
-@pytest.fixture(scope="session")
-def core() -> ctypes.CDLL:
+def _load(emulate_avx512: bool = False) -> ctypes.CDLL:
     out_dir = os.path.join(ROOT, "build", "spmm_core_test")
     os.makedirs(out_dir, exist_ok=True)
-    lib = ctypes.CDLL(_build(out_dir))
+    lib = ctypes.CDLL(_build(out_dir, emulate_avx512))
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.sparse24_test_spmm.argtypes = [
         ctypes.c_int,
@@ -87,8 +91,37 @@ def core() -> ctypes.CDLL:
     return lib
 
 
+@pytest.fixture(scope="session")
+def core() -> ctypes.CDLL:
+    return _load()
+
+
 def _supported(core: ctypes.CDLL, isa: str) -> bool:
     return bool(core.sparse24_test_isa_supported(ISAS[isa]))
+
+
+@pytest.fixture(params=[*ISAS, "avx512-emulated"])
+def kernel(request, core):
+    """`run(x, values, meta, n, **kw)` through one variant (see `_run`); skips what cannot run."""
+    variant = request.param
+    lib, isa = core, variant
+    if variant == "avx512-emulated":
+        if not _supported(core, "avx2"):
+            pytest.skip("the emulation runs on the AVX2 variant's instructions; this CPU lacks them")
+        if not simde_available():
+            if os.environ.get("CI") == "true":
+                pytest.fail("SIMDe not found: CI must run the emulated AVX-512 kernels "
+                            "(apt-get install libsimde-dev)")  # fmt: skip
+            pytest.skip("SIMDe not found (apt-get install libsimde-dev); CI=true makes this fail")
+        lib, isa = request.getfixturevalue("emulated_core"), "avx512"
+    elif not _supported(core, isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    return lambda x, values, meta, n, **kw: _run(lib, isa, x, values, meta, n, **kw)
+
+
+@pytest.fixture(scope="session")
+def emulated_core() -> ctypes.CDLL:
+    return _load(emulate_avx512=True)
 
 
 def _run(core, isa, x, values, meta, n, *, y_cols=None, threads=2):
@@ -163,38 +196,30 @@ SHAPES = [  # (M, K, N): K % 8 == 4, K < one SIMD chunk, N=1, N off every regist
 ]
 
 
-@pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=lambda d: np.dtype(d).name)
-def test_matches_float64_reference(core, isa, dtype):
-    if not _supported(core, isa):
-        pytest.skip(f"this CPU cannot run {isa}")
+def test_matches_float64_reference(kernel, dtype):
     rng = np.random.default_rng(0)
     for m, k, n in SHAPES:
         w = _random_2to4(rng, k, n, dtype)
         values, meta = fmt.compress(w)
         x = rng.standard_normal((m, k)).astype(dtype)
-        _check(_run(core, isa, x, values, meta, n), x, w)
+        _check(kernel(x, values, meta, n), x, w)
 
 
-@pytest.mark.parametrize("isa", list(ISAS))
-def test_strides_and_empty(core, isa):
-    if not _supported(core, isa):
-        pytest.skip(f"this CPU cannot run {isa}")
+def test_strides_and_empty(kernel):
     rng = np.random.default_rng(1)
     for m, k, n in [(3, 44, 10), (40, 72, 19)]:
         w = _random_2to4(rng, k, n, np.float32)
         values, meta = fmt.compress(w)
         x_wide = rng.standard_normal((m, k + 5)).astype(np.float32)
         x = x_wide[:, 2 : 2 + k]  # row stride K + 5, unaligned start
-        _check(_run(core, isa, x, values, meta, n, y_cols=n + 3), x, w)
+        _check(kernel(x, values, meta, n, y_cols=n + 3), x, w)
     values, meta = fmt.compress(_random_2to4(rng, 8, 6, np.float32))
-    assert _run(core, isa, np.zeros((0, 8), np.float32), values, meta, 6).shape == (
+    assert kernel(np.zeros((0, 8), np.float32), values, meta, 6).shape == (
         0,
         6,
     )
-    y = _run(
-        core,
-        isa,
+    y = kernel(
         np.ones((2, 0), np.float32),
         np.zeros((6, 0), np.float32),
         np.zeros((6, 0), np.uint8),
@@ -203,11 +228,8 @@ def test_strides_and_empty(core, isa):
     assert (y == 0).all()
 
 
-@pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=lambda d: np.dtype(d).name)
-def test_nan_inf_propagate_like_dense(core, isa, dtype):
-    if not _supported(core, isa):
-        pytest.skip(f"this CPU cannot run {isa}")
+def test_nan_inf_propagate_like_dense(kernel, dtype):
     rng = np.random.default_rng(2)
     # GEMV rows, one panel, and the last rows in a later panel (x is packed per panel).
     for m, k, n in [(1, 64, 20), (3, 36, 7), (40, 132, 33), (100, 68, 20)]:
@@ -219,7 +241,7 @@ def test_nan_inf_propagate_like_dense(core, isa, dtype):
         x[m // 2, 0] = -np.inf
         with np.errstate(invalid="ignore"):
             ref = x.astype(np.float64) @ w.astype(np.float64)
-        y = _run(core, isa, x, values, meta, n).astype(np.float64)
+        y = kernel(x, values, meta, n).astype(np.float64)
         np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
         np.testing.assert_array_equal(np.isposinf(y), np.isposinf(ref))
         np.testing.assert_array_equal(np.isneginf(y), np.isneginf(ref))
