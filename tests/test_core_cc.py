@@ -8,7 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-from cc_build import compile_objects, load_setup_module, simde_available
+from cc_build import compile_objects, load_setup_module, require_avx512_emulation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join(ROOT, "cc", "sparse24")
@@ -56,13 +56,6 @@ def _run_core_test(binary: str) -> str:
     return result.stdout
 
 
-def cpu_has_avx2() -> bool:
-    """What the AVX2 variant (and the emulation, built on it) needs: AVX2, FMA and F16C."""
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    return {"avx2", "fma", "f16c"} <= set(flags)
-
-
 @pytest.fixture(scope="module")
 def core_test_binary(tmp_path_factory) -> str:
     return _build_core_test(tmp_path_factory.mktemp("core_test"))
@@ -81,13 +74,7 @@ def test_core_with_avx512_emulated(tmp_path):
     """The AVX-512 kernels (never run on AVX-512 hardware by this project) through the whole core
     test, their intrinsics emulated by SIMDe: the same checks against the scalar reference, bad
     meta named from every work unit, NaN/Inf, tails; under ASan + UBSan."""
-    if not cpu_has_avx2():
-        pytest.skip("the emulation runs on the AVX2 variant's instructions; this CPU lacks them")
-    if not simde_available():
-        if os.environ.get("CI") == "true":
-            pytest.fail("SIMDe not found: CI must run the emulated AVX-512 kernels "
-                        "(apt-get install libsimde-dev)")  # fmt: skip
-        pytest.skip("SIMDe not found (apt-get install libsimde-dev); CI=true makes this fail")
+    require_avx512_emulation()
     stdout = _run_core_test(_build_core_test(tmp_path, emulate_avx512=True))
     assert "avx512=1" in stdout and "spmm avx512 checked" in stdout, stdout[-3000:]
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from cc_build import EMULATION, compile_objects, simde_available
+from cc_build import EMULATION, compile_objects, require_avx512_emulation
 
 from tf_sparse24 import format as fmt
 
@@ -106,13 +106,7 @@ def kernel(request, core):
     variant = request.param
     lib, isa = core, variant
     if variant == "avx512-emulated":
-        if not _supported(core, "avx2"):
-            pytest.skip("the emulation runs on the AVX2 variant's instructions; this CPU lacks them")
-        if not simde_available():
-            if os.environ.get("CI") == "true":
-                pytest.fail("SIMDe not found: CI must run the emulated AVX-512 kernels "
-                            "(apt-get install libsimde-dev)")  # fmt: skip
-            pytest.skip("SIMDe not found (apt-get install libsimde-dev); CI=true makes this fail")
+        require_avx512_emulation()
         lib, isa = request.getfixturevalue("emulated_core"), "avx512"
     elif not _supported(core, isa):
         pytest.skip(f"this CPU cannot run {isa}")
