@@ -132,17 +132,39 @@ def bazel() -> list[str]:
     path = shutil.which("bazel")
     if path is None:
         tool_missing("bazel", "apt-get install bazel-bootstrap")
-    # --batch: no server outlives the test; its own output root, so nothing lands outside build/.
-    return [path, f"--output_user_root={os.path.join(ROOT, 'build', 'bazel_root')}", "--batch"]
+    # One Bazel server for the module's commands (it keeps the digests of TensorFlow's 18k headers
+    # between them), gone 30 s after the last; its own output root, so nothing lands outside build/.
+    return [path, f"--output_user_root={os.path.join(ROOT, 'build', 'bazel_root')}",
+            "--max_idle_secs=30"]
 
 
 def _platforms_repository(bazel_path: str) -> str:
     """Debian's bazel-bootstrap ships @platforms beside its install (Bazel 4 would download it)."""
     share = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(bazel_path))),
                          "share", "bazel", "platforms")  # fmt: skip
-    if not os.path.isdir(share):
-        pytest.fail(f"no {share}: this check uses Debian's bazel-bootstrap (4.x) layout")
+    if not os.path.isdir(share):  # another Bazel: this offline set-up is written for Debian's 4.x
+        tool_missing(f"Debian's bazel-bootstrap (no {share})", "apt-get install bazel-bootstrap")
     return share
+
+
+def _write(path: str, content: str) -> None:
+    """Writes `content` unless the file already holds it (another pytest worker may be running
+    Bazel on the same workspace: what it reads must not change under it)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.read() == content:
+                return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(content)
+    os.replace(path + ".tmp", path)
+
+
+def _link(target: str, path: str) -> None:
+    if os.path.realpath(path) != os.path.realpath(target):
+        if os.path.lexists(path):
+            os.remove(path)
+        os.symlink(target, path)
 
 
 def _write_workspace(bazel: list[str]) -> None:
@@ -150,7 +172,6 @@ def _write_workspace(bazel: list[str]) -> None:
 
     tf_dir = os.path.dirname(tf.__file__)
     defines = [flag[2:] for flag in tf.sysconfig.get_compile_flags() if flag.startswith("-D")]
-    shutil.rmtree(os.path.join(WORK, "stubs"), ignore_errors=True)
     repositories = {"tf_sparse24": ROOT, "platforms": _platforms_repository(bazel[0])}
     for name, files in STUBS.items():
         repo = os.path.join(WORK, "stubs", name)
@@ -158,21 +179,20 @@ def _write_workspace(bazel: list[str]) -> None:
         for path, content in {"WORKSPACE": "", **files}.items():
             if path.endswith("defs.bzl"):  # rules_* stand-ins: forward each rule to Bazel's own
                 content = "\n".join(f"{rule} = native.{rule}" for rule in content.split())
-            os.makedirs(os.path.dirname(os.path.join(repo, path)), exist_ok=True)
-            with open(os.path.join(repo, path), "w") as f:
-                f.write(textwrap.dedent(content).lstrip().replace("{defines}", json.dumps(defines)))
+            _write(os.path.join(repo, path),
+                   textwrap.dedent(content).lstrip().replace("{defines}", json.dumps(defines)))
     tf_stub = repositories["org_tensorflow"]
-    os.symlink(tf.sysconfig.get_include(), os.path.join(tf_stub, "include"))
-    os.symlink(tf_dir, os.path.join(tf_stub, "lib"))
-    with open(os.path.join(WORK, "WORKSPACE"), "w") as f:
-        f.writelines(f'local_repository(name = "{name}", path = "{path}")\n'
-                     for name, path in repositories.items())  # fmt: skip
-    with open(os.path.join(WORK, "BUILD"), "w") as f:
-        f.write(f'cc_binary(name = "{LIBRARY}", linkshared = 1, '
-                'deps = ["@tf_sparse24//cc:sparse24_ops"])\n')  # fmt: skip
-    with open(os.path.join(WORK, ".bazelrc"), "w") as f:
-        # What TensorFlow's own .bazelrc gives a TF Serving build; no sandbox (18k TF headers).
-        f.write("build -c opt --cxxopt=-std=c++17 --spawn_strategy=standalone --jobs=2\n")
+    _link(tf.sysconfig.get_include(), os.path.join(tf_stub, "include"))
+    _link(tf_dir, os.path.join(tf_stub, "lib"))
+    _write(os.path.join(WORK, "WORKSPACE"),
+           "".join(f'local_repository(name = "{name}", path = "{path}")\n'
+                   for name, path in repositories.items()))  # fmt: skip
+    _write(os.path.join(WORK, "BUILD"),
+           f'cc_binary(name = "{LIBRARY}", linkshared = 1, '
+           'deps = ["@tf_sparse24//cc:sparse24_ops"])\n')  # fmt: skip
+    # What TensorFlow's own .bazelrc gives a TF Serving build; no sandbox (18k TF headers).
+    _write(os.path.join(WORK, ".bazelrc"),
+           "build -c opt --cxxopt=-std=c++17 --spawn_strategy=standalone --jobs=2\n")
 
 
 def _bazel(bazel: list[str], *args: str, timeout: int = 480) -> subprocess.CompletedProcess:
