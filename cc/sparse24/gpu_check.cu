@@ -557,12 +557,10 @@ struct Row {
   int config, copies;
 };
 
-const char* kRowHeader =
-    "%-5s %6s %6s %6s | %10s %10s %10s | %8s %8s | %8s %8s | %8s %6s\n";
-
 void print_header() {
-  out(kRowHeader, "dtype", "M", "K", "N", "cuBLAS ms", "Lt ms", "Lt* ms", "Lt/dense", "Lt*/dns",
-      "TF/s dns", "TF/s Lt*", "rel err", "copies");
+  out("%-5s %6s %6s %6s | %10s %10s %10s | %8s %8s | %8s %8s | %8s %6s\n", "dtype", "M", "K", "N",
+      "cuBLAS ms", "Lt ms", "Lt* ms", "Lt/dense", "Lt*/dns", "TF/s dns", "TF/s Lt*", "rel err",
+      "copies");
 }
 
 // One table row to the log, and to the CSV (flushed: a later fatal error keeps what was measured).
@@ -600,42 +598,43 @@ Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, 
   Row row{dname(t), M, K, N, 0, NAN, NAN, NAN, -1, copies};
   row.dense_ms = time_ms([&](int i) { cublas_run(cb, ps[i], M, ps[i].w.p, ps[i].x.p, ys[i].p); },
                          copies, warmup, reps);
+  const std::string shape =
+      fmt("bench shape %s M=%ld K=%ld N=%ld: ", dname(t), (long)M, (long)K, (long)N);
   for (auto& lt : lts) {
     if (lt->error.empty()) continue;
-    verdict(false, fmt("bench shape %s M=%ld K=%ld N=%ld: cuSPARSELt refused it: ", dname(t),
-                       (long)M, (long)K, (long)N) + lt->error);
+    verdict(false, shape + "cuSPARSELt refused it: " + lt->error);
     return row;
   }
-  // Correctness of this very shape: cuSPARSELt output, poisoned first, against float64.
-  ys[0].poison();
-  LT_OK(lts[0]->plan.run(lts[0]->compressed.p, ps[0].x.p, ys[0].p, lts[0]->workspace.p, 0));
-  CUDA_OK(cudaDeviceSynchronize());
-  Check c = check_product(ps[0], ys[0], M, check_rows);
-  row.err = c.bad_outputs ? INFINITY : c.rel_err;
-  verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
-          fmt("bench shape %s M=%ld K=%ld N=%ld: cuSPARSELt rel err %.2e on %d rows, unwritten %ld",
-              dname(t), (long)M, (long)K, (long)N, c.rel_err, check_rows, (long)c.bad_outputs));
   LtRunner& lt0 = *lts[0];  // its plan and workspace serve every copy
   auto lt_launch = [&](int i) {
     LT_OK(lt0.plan.run(lts[i]->compressed.p, ps[i].x.p, ys[i].p, lt0.workspace.p, 0));
   };
+  // Correctness of this very shape: copy 0's cuSPARSELt output, poisoned first, against float64.
+  auto check_copy0 = [&] {
+    ys[0].poison();
+    lt_launch(0);
+    CUDA_OK(cudaDeviceSynchronize());
+    return check_product(ps[0], ys[0], M, check_rows);
+  };
+  Check c = check_copy0();
+  row.err = c.bad_outputs ? INFINITY : c.rel_err;
+  verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
+          shape + fmt("cuSPARSELt rel err %.2e on %d rows, unwritten %ld", c.rel_err, check_rows,
+                      (long)c.bad_outputs));
   row.lt_ms = time_ms(lt_launch, copies, warmup, reps);
   // cusparseLtMatmulSearch once, on copy 0; the chosen configuration is reported.
   const std::string error = lt0.plan.search(lt0.compressed.p, ps[0].x.p, ys[0].p, lt0.workspace.p,
                                             0, &row.config);
   if (!error.empty()) {
-    verdict(false, fmt("bench shape %s M=%ld K=%ld N=%ld: ", dname(t), (long)M, (long)K, (long)N) + error);
+    verdict(false, shape + error);
     return row;
   }
   lt0.workspace = Buf(lt0.plan.workspace_bytes());
   // The searched configuration must compute the same product.
-  ys[0].poison();
-  LT_OK(lts[0]->plan.run(lts[0]->compressed.p, ps[0].x.p, ys[0].p, lts[0]->workspace.p, 0));
-  CUDA_OK(cudaDeviceSynchronize());
-  c = check_product(ps[0], ys[0], M, check_rows);
+  c = check_copy0();
   verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
-          fmt("bench shape %s M=%ld K=%ld N=%ld: searched config %d rel err %.2e, unwritten %ld",
-              dname(t), (long)M, (long)K, (long)N, row.config, c.rel_err, (long)c.bad_outputs));
+          shape + fmt("searched config %d rel err %.2e, unwritten %ld", row.config, c.rel_err,
+                      (long)c.bad_outputs));
   row.lt_search_ms = time_ms(lt_launch, copies, warmup, reps);
   return row;
 }
