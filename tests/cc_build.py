@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import json
 import os
 import subprocess
+import sys
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +35,15 @@ def tool_missing(what: str, install: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{what} not found: CI must run this check ({install})")
     pytest.skip(f"{what} not found ({install}); CI=true makes this fail")
+
+
+def require_nvcc() -> str:
+    """nvcc's path as setup.py finds it ($NVCC, PATH, $CUDA_HOME/bin); a missing one is a missing
+    tool (tool_missing)."""
+    path = load_setup_module().find_nvcc()
+    if not os.path.exists(path):
+        tool_missing("nvcc", "install the CUDA toolkit")
+    return path
 
 
 def require_avx512_emulation(cxx: str = "g++") -> None:
@@ -83,3 +94,24 @@ def compile_objects(sources: list[str], out_dir: str, flags: list[str], cxx: str
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         return list(pool.map(compile_one, sources))
+
+
+GPU_KERNELS = {f"GPU:{dtype}" for dtype in ("float32", "float16", "bfloat16")}
+
+
+def check_op_library(path: str) -> dict:
+    """Loads a built op library into TensorFlow in a fresh process (tests/helpers/
+    op_library_worker.py), asserts its CPU ops match the numpy format reference and a float64
+    matmul, and returns the worker's report (with the kernels TensorFlow registered)."""
+    worker = os.path.join(ROOT, "tests", "helpers", "op_library_worker.py")
+    proc = subprocess.run([sys.executable, worker, path], capture_output=True, text=True,
+                          timeout=300, check=False,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})  # fmt: skip
+    assert proc.returncode == 0, f"loading {path} failed:\n{proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["values_equal"] and report["meta_equal"] and report["dense_equal"], report
+    assert report["matmul_error"] < 1e-4, report
+    assert "group g=1 (rows k=4..7) of column n=3" in report["bad_input_error"], report
+    for op, found in report["kernels"].items():
+        assert {f"CPU:{d}" for d in ("float32", "float16", "bfloat16")} <= set(found), (op, found)
+    return report

@@ -1,7 +1,9 @@
 """The GPU path compiles (compile only: CI has no GPU) and its host-side parts behave.
 
-* Every GPU source of the op library compiles with exactly the commands setup.py uses for
-  TF_SPARSE24_CUDA=1 builds, and the GPU kernels really are in the objects.
+* `TF_SPARSE24_CUDA=1 setup.py build_ext` builds the op library with every GPU source, the GPU
+  kernels really are in the objects, and the library loads into TensorFlow here (no GPU): its CPU
+  kernels still answer correctly and TensorFlow has its GPU kernels registered for every op and
+  dtype (what a GPU machine would dispatch to; running them needs the GPU, docs/GPU.md).
 * The gpu_check harness links, parses its flags, and finds / loads cuSPARSELt and cuBLAS (stand-in
   libraries exporting the same symbols), or says what to install when they are missing.
 * cc/sparse24/cusparselt.h (our declarations of the cuSPARSELt API) matches a real cusparseLt.h,
@@ -24,7 +26,7 @@ import sys
 import sysconfig
 
 import pytest
-from cc_build import load_setup_module, tool_missing
+from cc_build import GPU_KERNELS, check_op_library, load_setup_module, require_nvcc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUSPARSELT_SYMBOLS = [
@@ -51,23 +53,19 @@ CUBLAS_SYMBOLS = ["cublasCreate_v2", "cublasSetStream_v2", "cublasGemmEx"]
 
 @pytest.fixture(scope="module")
 def nvcc() -> str:
-    path = os.environ.get("NVCC") or shutil.which("nvcc")
-    if path is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
-        path = "/usr/local/cuda/bin/nvcc"
-    if path is None:
-        tool_missing("nvcc", "install the CUDA toolkit")
-    return path
+    return require_nvcc()
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, **kwargs)
 
 
-def _source_key(commands: list[list[str]]) -> str:
-    """Hash of every C++/CUDA file under cc/ and of the build commands."""
-    digest = hashlib.sha256(repr(commands).encode())
-    for path in sorted(glob.glob(os.path.join(ROOT, "cc", "**", "*"), recursive=True)):
-        if path.endswith((".h", ".cc", ".cu")):
+def _source_key(nvcc: str) -> str:
+    """Hash of setup.py, of every C++/CUDA file under cc/ and of the nvcc used."""
+    digest = hashlib.sha256(nvcc.encode())
+    paths = sorted(glob.glob(os.path.join(ROOT, "cc", "**", "*"), recursive=True))
+    for path in [os.path.join(ROOT, "setup.py"), *paths]:
+        if path.endswith((".h", ".cc", ".cu", ".py")):
             digest.update(path.encode())
             with open(path, "rb") as f:
                 digest.update(f.read())
@@ -76,37 +74,27 @@ def _source_key(commands: list[list[str]]) -> str:
 
 @pytest.fixture(scope="module")
 def build(nvcc: str) -> dict:
-    """Compiles the op library's GPU sources with setup.py's commands, and links gpu_check.
+    """The op library as `TF_SPARSE24_CUDA=1` builds it (setup.py build_ext, CPU and GPU sources),
+    and the gpu_check harness linked from the same GPU objects.
 
     Built once per source state under build/test_gpu_build/<hash> (a file lock makes parallel
     pytest workers share one build instead of compiling twice).
     """
-    import tensorflow as tf
-
     setup = load_setup_module()
-    flags = tf.sysconfig.get_compile_flags()
     cache = os.path.join(ROOT, "build", "test_gpu_build")
     os.makedirs(cache, exist_ok=True)
-    key = _source_key([cmd for cmd, _ in setup.gpu_compile_jobs(flags, "@OUT@", nvcc=nvcc)])
-    out = os.path.join(cache, key)
-    jobs = setup.gpu_compile_jobs(flags, out, nvcc=nvcc)
+    out = os.path.join(cache, _source_key(nvcc))
+    obj_dir = os.path.join(out, "temp", "sparse24_objs")  # where build_ext puts its objects
+    gpu_objects = [obj for _, obj in setup.gpu_compile_jobs([], obj_dir, nvcc=nvcc)]
     harness_obj = os.path.join(out, "gpu_check.o")
-    jobs.append(
-        (
-            [
-                nvcc,
-                *setup.NVCC_FLAGS,
-                f"-I{ROOT}",
-                "-c",
-                os.path.join(ROOT, "cc", "sparse24", "gpu_check.cu"),
-                "-o",
-                harness_obj,
-            ],
-            harness_obj,
-        )
-    )
-    objects = {os.path.basename(obj): obj for _, obj in jobs}
     harness = os.path.join(out, "gpu_check")
+    commands = [
+        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", os.path.join(out, "lib"),
+         "--build-temp", os.path.join(out, "temp")],
+        [nvcc, *setup.NVCC_FLAGS, f"-I{ROOT}", "-c",
+         os.path.join(ROOT, "cc", "sparse24", "gpu_check.cu"), "-o", harness_obj],
+    ]  # fmt: skip
+    env = {**os.environ, "TF_SPARSE24_CUDA": "1", "NVCC": nvcc}
     with open(os.path.join(cache, "lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(os.path.join(out, "done")):
@@ -115,27 +103,17 @@ def build(nvcc: str) -> dict:
                     shutil.rmtree(os.path.join(cache, old), ignore_errors=True)
             os.makedirs(out)
             with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-                results = list(pool.map(lambda job: (job, _run(job[0])), jobs))
-            failures = [
-                f"{' '.join(job[0])}\n{r.stderr[-3000:]}" for job, r in results if r.returncode
-            ]
-            assert not failures, "GPU sources failed to compile:\n" + "\n\n".join(failures)
-            lib_objs = [o for name, o in objects.items() if name.startswith("cc_sparse24_")]
-            link = _run(
-                [
-                    nvcc,
-                    *setup.CUDA_ARCH_FLAGS,
-                    harness_obj,
-                    *lib_objs,
-                    "-o",
-                    harness,
-                    "-ldl",
-                    "-lpthread",
-                ]
-            )
+                results = list(pool.map(lambda cmd: (cmd, _run(cmd, env=env)), commands))
+            failures = [f"{' '.join(cmd)}\n{r.stderr[-3000:]}" for cmd, r in results if r.returncode]
+            assert not failures, "the GPU build failed:\n" + "\n\n".join(failures)
+            harness_objs = [o for o in gpu_objects if os.path.basename(o).startswith("cc_sparse24_")]
+            link = _run([nvcc, *setup.CUDA_ARCH_FLAGS, harness_obj, *harness_objs, "-o", harness,
+                         "-ldl", "-lpthread"])  # fmt: skip
             assert link.returncode == 0, link.stderr[-3000:]
             open(os.path.join(out, "done"), "w").close()
-    return {"setup": setup, "objects": objects, "harness": harness}
+    (library,) = glob.glob(os.path.join(out, "lib", "tf_sparse24", "_sparse24_ops*.so"))
+    return {"setup": setup, "objects": {os.path.basename(o): o for o in gpu_objects},
+            "library": library, "harness": harness}  # fmt: skip
 
 
 def test_every_gpu_source_is_built_by_setup(build: dict) -> None:
@@ -168,30 +146,19 @@ def test_gpu_objects_hold_the_kernels(build: dict) -> None:
     assert "compress_kernel" in _run(["nm", "-C", kernels]).stdout
 
 
-def test_gpu_objects_link_with_a_private_cuda_runtime(build: dict, tmp_path) -> None:
+def test_gpu_library_keeps_its_cuda_runtime_private(build: dict) -> None:
     """setup.py's GPU link flags leave no cuda* symbol to TensorFlow's CUDA 12 runtime stub."""
-    import tensorflow as tf
-
-    setup = build["setup"]
-    lib = str(tmp_path / "gpu_only.so")
-    objects = [o for name, o in build["objects"].items() if name != "gpu_check.o"]
-    link = _run(
-        [
-            "g++",
-            "-shared",
-            *objects,
-            "-o",
-            lib,
-            *setup.gpu_link_flags(),
-            *tf.sysconfig.get_link_flags(),
-        ]
-    )
-    assert link.returncode == 0, link.stderr[-3000:]
-    dynamic = _run(["nm", "-D", lib]).stdout.splitlines()
+    dynamic = _run(["nm", "-D", build["library"]]).stdout.splitlines()
     assert not [line for line in dynamic if " cuda" in line], "cuda* symbols left to the loader"
-    assert any(
-        "Sparse24MatMulGpuOp" in line for line in _run(["nm", "-C", lib]).stdout.splitlines()
-    )
+    assert "Sparse24MatMulGpuOp" in _run(["nm", "-C", build["library"]]).stdout
+
+
+def test_gpu_library_loads_into_tensorflow(build: dict) -> None:
+    """The TF_SPARSE24_CUDA=1 library loads into TensorFlow on a machine without a GPU, its CPU
+    kernels still answer correctly, and TensorFlow has its GPU kernels for every op and dtype."""
+    report = check_op_library(build["library"])
+    for op, found in report["kernels"].items():
+        assert GPU_KERNELS <= set(found), (op, found)
 
 
 def _stub_library(directory, soname: str, symbols: list[str]) -> str:
