@@ -64,8 +64,8 @@ STUBS = {
             )
             """,
         "tensorflow/BUILD": "",
-        # TF's tf_gpu_kernel_library under --config=cuda: tf_copts()' -DGOOGLE_CUDA=1, cuda_library's
-        # -x cuda (nvcc through the compiler driver), the CUDA runtime.
+        # TF's tf_gpu_kernel_library under --config=cuda: -DGOOGLE_CUDA=1 (tf_copts), -x cuda
+        # (cuda_library's copts: nvcc through the compiler driver), the CUDA runtime.
         "tensorflow/tensorflow.bzl": """
             load("@local_config_cuda//cuda:build_defs.bzl", "if_cuda")
 
@@ -189,7 +189,8 @@ def _write_workspace(bazel: list[str]) -> None:
         repo = os.path.join(WORK, "stubs", name)
         repositories[name] = repo
         for path, content in {"WORKSPACE": "", **files}.items():
-            if name.startswith("rules_") and path.endswith("defs.bzl"):  # rules_* stand-ins: forward each rule to Bazel's own
+            if name.startswith("rules_") and path.endswith("defs.bzl"):
+                # rules_* stand-ins: forward each rule to Bazel's own
                 content = "\n".join(f"{rule} = native.{rule}" for rule in content.split())
             _write(os.path.join(repo, path),
                    textwrap.dedent(content).lstrip().replace("{defines}", json.dumps(defines)))

@@ -104,9 +104,9 @@ def build(nvcc: str) -> dict:
             os.makedirs(out)
             with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
                 results = list(pool.map(lambda cmd: (cmd, _run(cmd, env=env)), commands))
-            failures = [f"{' '.join(cmd)}\n{r.stderr[-3000:]}" for cmd, r in results if r.returncode]
+            failures = [f"{' '.join(c)}\n{r.stderr[-3000:]}" for c, r in results if r.returncode]
             assert not failures, "the GPU build failed:\n" + "\n\n".join(failures)
-            harness_objs = [o for o in gpu_objects if os.path.basename(o).startswith("cc_sparse24_")]
+            harness_objs = [o for o in gpu_objects if "cc_sparse24_" in os.path.basename(o)]
             link = _run([nvcc, *setup.CUDA_ARCH_FLAGS, harness_obj, *harness_objs, "-o", harness,
                          "-ldl", "-lpthread"])  # fmt: skip
             assert link.returncode == 0, link.stderr[-3000:]

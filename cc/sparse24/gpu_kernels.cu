@@ -152,7 +152,12 @@ __device__ __forceinline__ uint64_t mix64(uint64_t z) {  // splitmix64 finalizer
   return z ^ (z >> 31);
 }
 
-// Sum over words of mix(word, position): order-independent, so a grid-stride loop and atomics work.
+// Sum over words of mix(word, key): order-independent, so any grid and the atomics give the same
+// sum. Keys are 4 * position + salt (salt 1..3), so two buffers with different salts never share
+// a key. Each block adds its total with one atomic: per-warp atomics on one address would cost
+// more than the pass itself on a large weight.
+constexpr int kFingerprintMaxBlocks = 1024;  // about one wave of 256-thread blocks on an H100/H200
+
 __global__ void fingerprint_kernel(const uint8_t* __restrict__ data, int64_t bytes, bool aligned,
                                    uint64_t salt, unsigned long long* out) {
   const int64_t words = aligned ? bytes / 4 : bytes;
@@ -160,13 +165,22 @@ __global__ void fingerprint_kernel(const uint8_t* __restrict__ data, int64_t byt
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < words;
        i += int64_t(gridDim.x) * blockDim.x) {
     const uint32_t word = aligned ? reinterpret_cast<const uint32_t*>(data)[i] : data[i];
-    sum += mix64(word ^ mix64(static_cast<uint64_t>(i) + salt));
+    sum += mix64(word ^ mix64(4 * static_cast<uint64_t>(i) + salt));
   }
   if (aligned && blockIdx.x == 0 && threadIdx.x == 0) {  // the last bytes % 4 bytes
-    for (int64_t j = words * 4; j < bytes; ++j) sum += mix64(data[j] ^ mix64(~static_cast<uint64_t>(j) + salt));
+    for (int64_t j = words * 4; j < bytes; ++j) {
+      sum += mix64(data[j] ^ mix64(~(4 * static_cast<uint64_t>(j) + salt)));
+    }
   }
   for (int off = 16; off > 0; off /= 2) sum += __shfl_down_sync(0xffffffffu, sum, off);
-  if ((threadIdx.x & 31) == 0) atomicAdd(out, static_cast<unsigned long long>(sum));
+  __shared__ uint64_t warp_sums[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint64_t block_sum = 0;
+    for (int w = 0; w < kThreads / 32; ++w) block_sum += warp_sums[w];
+    atomicAdd(out, static_cast<unsigned long long>(block_sum));
+  }
 }
 
 template <typename Bits>
@@ -253,7 +267,7 @@ cudaError_t fingerprint_add(const void* data, int64_t bytes, uint64_t salt,
                             unsigned long long* out, cudaStream_t stream) {
   if (bytes == 0) return cudaSuccess;
   const bool aligned = reinterpret_cast<uintptr_t>(data) % 4 == 0;
-  const int grid = blocks_for(std::max<int64_t>(aligned ? bytes / 4 : bytes, 1));
+  const int grid = std::min(kFingerprintMaxBlocks, blocks_for(aligned ? bytes / 4 : bytes));
   fingerprint_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint8_t*>(data), bytes,
                                                    aligned, salt, out);
   return cudaGetLastError();

@@ -51,7 +51,8 @@ cudaError_t spmm_simple_unless(DType dtype, const void* x, const void* values, c
                                cudaStream_t stream);
 
 // Order-independent 64-bit fingerprint of `bytes` bytes at `data` *added* to *out (so several
-// buffers can share one sum; zero *out first). Every byte counts, with its position.
+// buffers can share one sum; zero *out first). Every byte counts, with its position; give each
+// buffer of one sum its own salt in 1..3.
 cudaError_t fingerprint_add(const void* data, int64_t bytes, uint64_t salt,
                             unsigned long long* out, cudaStream_t stream);
 

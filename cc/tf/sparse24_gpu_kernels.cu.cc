@@ -192,8 +192,14 @@ class Sparse24MatMulGpuOp : public OpKernel {
     MatMulShapes(x, n, &y_shape, &m);
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y_shape, &y));
-    if (y->NumElements() == 0) return;
     const cudaStream_t stream = StreamOf(ctx);
+    if (y->NumElements() == 0) {  // no rows: meta is still validated, as on the CPU
+      if (k > 0 && n > 0) {
+        OP_REQUIRES_OK(ctx, CheckMeta(ctx, "Sparse24MatMul", meta.flat<uint8_t>().data(), k, n,
+                                      stream));
+      }
+      return;
+    }
     if (k == 0) {  // empty sum
       OP_REQUIRES_OK(ctx, CudaStatus(cudaMemsetAsync(y->flat<T>().data(), 0,
                                                      y->NumElements() * sizeof(T), stream),
@@ -296,7 +302,11 @@ class Sparse24MatMulGpuOp : public OpKernel {
     *verify = false;
     if (it != weights_.end() && !trust && it->seen_pending) {
       const cudaError_t state = cudaEventQuery(it->seen_ready);
-      if (state != cudaErrorNotReady) {
+      if (state == cudaErrorNotReady) {
+        // Not an error, but the runtime records it as this thread's last error, which the next
+        // launch's cudaGetLastError() would then report as its own failure.
+        (void)cudaGetLastError();
+      } else {
         TF_RETURN_IF_ERROR(CudaStatus(state, "checking a cached weight"));
         it->seen_pending = false;
         if (*it->seen != it->fingerprint) {  // changed in place since it was compressed
