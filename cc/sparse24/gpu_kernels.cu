@@ -120,7 +120,11 @@ struct F16 { using T = __half; static __device__ float load(const T* p, int64_t 
 struct BF16 { using T = uint16_t; static __device__ float load(const T* p, int64_t i) { return bf16_bits_to_float(p[i]); }
               static __device__ void store(T* p, int64_t i, float v) { p[i] = float_to_bf16_bits(v); } };
 
-// One thread per output element, n fastest: x[m, :] is a broadcast read within a warp.
+// One warp per (column n, tile of kRowsPerWarp rows of x), n fastest: the lanes split n's groups,
+// so a warp reads row n of values/meta as consecutive words (coalesced) once per tile, and x's rows
+// within 128-element spans; then one warp reduction per row. float32 accumulation.
+constexpr int kRowsPerWarp = 4;
+
 template <typename E>
 __global__ void spmm_simple_kernel(const typename E::T* __restrict__ x,
                                    const typename E::T* __restrict__ values,
@@ -129,20 +133,34 @@ __global__ void spmm_simple_kernel(const typename E::T* __restrict__ x,
                                    const unsigned long long* fingerprint,
                                    unsigned long long expected) {
   if (fingerprint != nullptr && *fingerprint == expected) return;
+  const int lane = threadIdx.x & 31;
   const int64_t groups = K / 4, bytes = (K + 7) / 8;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < M * N;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t m = i / N, n = i % N;
-    const typename E::T* xr = x + m * K;
+  const int64_t tiles = N * ((M + kRowsPerWarp - 1) / kRowsPerWarp);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  // Warp-uniform loop: every lane of a warp takes the same tiles, so the shuffles below see all 32.
+  for (int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; t < tiles; t += warps) {
+    const int64_t n = t % N, m0 = (t / N) * kRowsPerWarp;
+    const int rows = static_cast<int>(min(int64_t(kRowsPerWarp), M - m0));
     const typename E::T* vr = values + n * (K / 2);
     const uint8_t* mr = meta + n * bytes;
-    float acc = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
+    float acc[kRowsPerWarp] = {};
+    for (int64_t g = lane; g < groups; g += 32) {
       const int nib = (mr[g / 2] >> (4 * (g % 2))) & 0xF;
-      acc += E::load(xr, 4 * g + (nib & 3)) * E::load(vr, 2 * g);
-      acc += E::load(xr, 4 * g + (nib >> 2)) * E::load(vr, 2 * g + 1);
+      const float v0 = E::load(vr, 2 * g), v1 = E::load(vr, 2 * g + 1);
+      const int64_t k0 = 4 * g + (nib & 3), k1 = 4 * g + (nib >> 2);
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        if (r < rows) {
+          const typename E::T* xr = x + (m0 + r) * K;
+          acc[r] += E::load(xr, k0) * v0;
+          acc[r] += E::load(xr, k1) * v1;
+        }
+      }
     }
-    E::store(y, i, acc);
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      float sum = acc[r];
+      for (int off = 16; off > 0; off /= 2) sum += __shfl_down_sync(0xffffffffu, sum, off);
+      if (lane == 0 && r < rows) E::store(y, (m0 + r) * N + n, sum);
+    }
   }
 }
 
@@ -242,7 +260,7 @@ cudaError_t spmm_simple_unless(DType dtype, const void* x, const void* values, c
                                const unsigned long long* fingerprint, unsigned long long expected,
                                cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
-  const int grid = blocks_for(M * N);
+  const int grid = blocks_for(N * ((M + kRowsPerWarp - 1) / kRowsPerWarp) * 32);  // a warp a tile
   switch (dtype) {
     case DType::kFloat32:
       spmm_simple_kernel<F32><<<grid, kThreads, 0, stream>>>(

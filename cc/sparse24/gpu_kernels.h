@@ -38,7 +38,7 @@ cudaError_t decompress(DType dtype, const void* values, const uint8_t* meta, int
                        bool transposed, void* out, cudaStream_t stream);
 
 // y = x @ W straight from values/meta, float32 accumulation. The portable path for float32 and for
-// shapes cuSPARSELt does not take; not tuned (one thread per output element).
+// shapes cuSPARSELt does not take; simple (one warp per output column and 4 rows, CUDA cores).
 cudaError_t spmm_simple(DType dtype, const void* x, const void* values, const uint8_t* meta,
                         int64_t M, int64_t K, int64_t N, void* y, cudaStream_t stream);
 
