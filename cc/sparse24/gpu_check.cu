@@ -3,7 +3,8 @@
 // 1. Checks, on fresh random inputs (never zeros; all-zero and -0.0 groups included on purpose) and
 //    with every output poisoned (0xFF bytes = NaN) first: GPU compress against a CPU reference,
 //    bit for bit; the first-bad-group and meta checks; decompress both ways; cuSPARSELt matmul,
-//    cuBLAS and the plain fallback kernel against a float64 CPU product.
+//    cuBLAS and the plain fallback kernel against a float64 CPU product; the TF ops' own logic
+//    (gpu_matmul.h: weight cache, in-place changes, eviction, named errors) driven as they drive it.
 // 2. Times cuSPARSELt 2:4 (default config, then after cusparseLtMatmulSearch) against cuBLAS
 //    dense (cublasGemmEx, fp32 accumulation), CUDA events, median of many timed batches after
 //    warm-up, inputs rotated so repeated runs do not just hit L2; prints a ratio table.
@@ -32,6 +33,7 @@
 #include "cc/sparse24/cusparselt.h"
 #include "cc/sparse24/dtype.h"
 #include "cc/sparse24/gpu_kernels.h"
+#include "cc/sparse24/gpu_matmul.h"
 #include "cc/sparse24/gpu_spmm.h"
 
 namespace {
@@ -514,6 +516,144 @@ void check_matmul(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int
 }
 
 // ---------------------------------------------------------------------------------------------
+// The TF ops' own GPU logic (gpu_matmul.h), driven as the TF kernels drive it, with a
+// stream-ordered allocator like TensorFlow's.
+
+// Busy-waits on the device for `ms` milliseconds (keeps later work on the stream queued).
+__global__ void spin_kernel(unsigned long long ms) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ms * 1000000ull);
+}
+
+gpu::Allocator stream_allocator(cudaStream_t stream) {
+  return [stream](size_t bytes, gpu::DeviceBuffer* out) -> gpu::Status {
+    void* p = nullptr;
+    const cudaError_t e = cudaMallocAsync(&p, bytes, stream);
+    if (e != cudaSuccess) return {gpu::Status::kResourceExhausted, cudaGetErrorString(e)};
+    *out = gpu::DeviceBuffer(p, [stream](void* q) { cudaFreeAsync(q, stream); });
+    return {};
+  };
+}
+
+// Copies b's weight (dense W, values, meta) over a's buffers: a's weight changes in place.
+void overwrite_weight(Problem& a, const Problem& b) {
+  CUDA_OK(cudaMemcpy(a.w.p, b.w.p, a.w.bytes, cudaMemcpyDeviceToDevice));
+  CUDA_OK(cudaMemcpy(a.values.p, b.values.p, a.values.bytes, cudaMemcpyDeviceToDevice));
+  CUDA_OK(cudaMemcpy(a.meta.p, b.meta.p, a.meta.bytes, cudaMemcpyDeviceToDevice));
+}
+
+void check_tf_op_logic(DType t) {
+  const int64_t M = 40, K = 512, N = 256;  // cuSPARSELt takes it (bf16/fp16); M padded to 48
+  const std::string shape = fmt("%s M=%ld K=%ld N=%ld", dname(t), (long)M, (long)K, (long)N);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreate(&stream));
+  const gpu::Allocator alloc = stream_allocator(stream);
+  std::vector<std::string> logs;
+  gpu::SparseMatMul mm([&](const std::string&, const std::string& m) { logs.push_back(m); },
+                       /*trust_weight_address=*/false);
+  Buf y(M * N * esize(t));
+  // One op call on p; checks y against float64 after waiting. Returns the call's status.
+  auto call = [&](Problem& p, const std::string& what, bool wait = true) {
+    y.poison();
+    const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
+    const gpu::Status status = mm.run(args, alloc, stream);
+    if (!status.ok()) {
+      verdict(false, "SparseMatMul " + what + ": " + status.message + ", " + shape);
+      return status;
+    }
+    if (!wait) return status;
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Check c = check_product(p, y, M, 8);
+    verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
+            fmt("SparseMatMul %s: rel err %.2e, unwritten %ld, ", what.c_str(), c.rel_err,
+                (long)c.bad_outputs) + shape);
+    return status;
+  };
+  auto stats_are = [&](size_t cached, int compressions, int plain, const std::string& what) {
+    const gpu::SparseMatMul::Stats s = mm.stats();
+    verdict(s.cached_weights == cached && s.compressions == compressions &&
+                s.plain_calls == plain,
+            fmt("SparseMatMul %s: %zu cached / %d compressions / %d plain calls (want %zu / %d "
+                "/ %d), ", what.c_str(), s.cached_weights, s.compressions, s.plain_calls, cached,
+                compressions, plain) + shape);
+  };
+  Problem p(t, M, K, N), other(t, M, K, N);
+  if (p.compress() != gpu::kNoError || other.compress() != gpu::kNoError) {
+    die(1, "compress flagged a 2:4 input");
+  }
+  const bool lt_path = gpu::lt_unsupported_reason(t, K, N).empty();
+  if (!lt_path) {  // float32: the plain kernel, meta checked every call, logged
+    call(p, "plain path");
+    stats_are(0, 0, 1, "plain path");
+    verdict(!logs.empty() && logs[0].find("plain CUDA kernel") != std::string::npos,
+            "SparseMatMul logs the plain path, " + shape);
+  } else {
+    call(p, "first call (compress)");
+    stats_are(1, 1, 0, "first call");
+    call(p, "cached call");
+    stats_are(1, 1, 0, "cached call");
+    // Changed in place (same buffers): this call must repair y on the device...
+    overwrite_weight(p, other);
+    call(p, "call after an in-place change (repaired)");
+    stats_are(1, 1, 0, "in-place change");
+    // ...and the next one, having seen the fingerprint, recompresses.
+    call(p, "next call (recompressed)");
+    stats_are(1, 2, 0, "recompress");
+    // A call whose predecessor's fingerprint copy has not landed yet (the stream is held by a
+    // spinning kernel): the not-ready event must not fail this or a later call.
+    spin_kernel<<<1, 1, 0, stream>>>(200);
+    LAUNCH_OK();
+    call(p, "queued call", /*wait=*/false);
+    call(p, "call while the previous fingerprint is in flight", /*wait=*/false);
+    const gpu::Status later = call(p, "the call after that");
+    verdict(later.ok(), "SparseMatMul: a not-ready fingerprint event is not an error, " + shape);
+    // More weights than the cache holds: the oldest is evicted and recompressed when it returns.
+    std::vector<std::unique_ptr<Problem>> more;
+    for (size_t i = 0; i < gpu::SparseMatMul::kMaxCachedWeights; ++i) {
+      more.push_back(std::make_unique<Problem>(t, M, K, N));
+      if (more.back()->compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+      call(*more.back(), fmt("weight %zu", i + 2));
+    }
+    stats_are(gpu::SparseMatMul::kMaxCachedWeights, 2 + static_cast<int>(more.size()), 0,
+              "eviction");
+    call(p, "evicted weight again");
+    stats_are(gpu::SparseMatMul::kMaxCachedWeights, 3 + static_cast<int>(more.size()), 0,
+              "evicted weight recompressed");
+  }
+  // Invalid meta on a new weight (row n=N-1, group g=1): named, before any result.
+  Problem bad(t, M, K, N);
+  if (bad.compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+  const uint8_t invalid = 0x5e;  // byte 0: group 0 at positions (2, 3), group 1 at (1, 1)
+  CUDA_OK(cudaMemcpy(bad.meta.get<uint8_t>() + (N - 1) * ((K + 7) / 8), &invalid, 1,
+                     cudaMemcpyHostToDevice));
+  const gpu::MatMulArgs bad_args{t, bad.x.p, bad.values.p, bad.meta.get<uint8_t>(), M, K, N, y.p};
+  const gpu::Status status = mm.run(bad_args, alloc, stream);
+  const std::string want = fmt("Sparse24MatMul: invalid meta: row n=%ld, group g=1 ", (long)(N - 1));
+  verdict(status.code == gpu::Status::kInvalidArgument &&
+              status.message.find(want) != std::string::npos,
+          "SparseMatMul names invalid meta (\"" + status.message + "\"), " + shape);
+  // compress_checked names the first non-2:4 group like format.compress.
+  const float half = 0.5f;
+  const uint16_t half16 = t == DType::kBFloat16 ? 0x3f00 : 0x3800;
+  for (int r = 0; r < 3; ++r) {  // three non-zeros in group g=2 of column n=5
+    CUDA_OK(cudaMemcpy(bad.w.get<uint8_t>() + ((8 + r) * N + 5) * esize(t),
+                       t == DType::kFloat32 ? static_cast<const void*>(&half) : &half16,
+                       esize(t), cudaMemcpyHostToDevice));
+  }
+  const gpu::Status compress_status = gpu::compress_checked(
+      t, bad.w.p, K, N, bad.values.p, bad.meta.get<uint8_t>(), alloc, stream);
+  verdict(compress_status.code == gpu::Status::kInvalidArgument &&
+              compress_status.message.find("group g=2 (rows k=8..11) of column n=5") !=
+                  std::string::npos,
+          "compress_checked names the group (\"" + compress_status.message + "\"), " + shape);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Timing: median over `reps` batches of `per` launches each, CUDA events, after warm-up.
 
 double median(std::vector<double> v) {
@@ -816,6 +956,7 @@ int main(int argc, char** argv) {
       check_matmul(ctx, cb, t, 50, 1024, 256);  // padded to 64 rows
       check_matmul(ctx, cb, t, 256, 4096, 4096);
     }
+    for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) check_tf_op_logic(t);
   }
 
   std::vector<Row> rows;

@@ -1,0 +1,319 @@
+// Sparse24MatMul's GPU path and the checked compress / meta validation (see gpu_matmul.h). Host
+// code only: the kernels are in gpu_kernels.cu, the cuSPARSELt calls in gpu_spmm.cu.
+#include "cc/sparse24/gpu_matmul.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+#include "cc/sparse24/gpu_kernels.h"
+
+namespace sparse24 {
+namespace gpu {
+namespace {
+
+#define S24_RETURN_IF_ERROR(expr)   \
+  do {                              \
+    Status status_ = (expr);        \
+    if (!status_.ok()) return status_; \
+  } while (0)
+
+Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return {};
+  return {Status::kInternal, std::string(what) + ": " + cudaGetErrorString(e)};
+}
+
+Status invalid_argument(std::string message) {
+  return {Status::kInvalidArgument, std::move(message)};
+}
+
+std::string str(int64_t v) { return std::to_string(v); }
+std::string str(unsigned long long v) { return std::to_string(v); }
+
+// At least one byte, so zero-size workspaces still get a valid address.
+Status allocate(const Allocator& alloc, size_t bytes, DeviceBuffer* out) {
+  return alloc(std::max<size_t>(bytes, 1), out);
+}
+
+unsigned long long* slots_of(const DeviceBuffer& buffer) {
+  return static_cast<unsigned long long*>(buffer.get());
+}
+
+// Copies `count` uint64 slots from the device to the host and waits for the stream.
+Status read_back(const unsigned long long* device, unsigned long long* host, int count,
+                 cudaStream_t stream) {
+  S24_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(host, device, count * sizeof(*host),
+                                                  cudaMemcpyDeviceToHost, stream),
+                                  "reading back a check result"));
+  return cuda_status(cudaStreamSynchronize(stream), "waiting for a check result");
+}
+
+size_t values_bytes(const MatMulArgs& a) { return a.n * (a.k / 2) * dtype_size(a.dtype); }
+size_t meta_bytes(const MatMulArgs& a) { return a.n * ((a.k + 7) / 8); }
+
+// Launches the fingerprint of values+meta into *slot (zeroed first).
+Status launch_fingerprint(const MatMulArgs& a, unsigned long long* slot, cudaStream_t stream) {
+  S24_RETURN_IF_ERROR(
+      cuda_status(cudaMemsetAsync(slot, 0, sizeof(*slot), stream), "fingerprint"));
+  S24_RETURN_IF_ERROR(
+      cuda_status(fingerprint_add(a.values, values_bytes(a), 1, slot, stream), "fingerprint"));
+  return cuda_status(fingerprint_add(a.meta, meta_bytes(a), 2, slot, stream), "fingerprint");
+}
+
+}  // namespace
+
+Status compress_checked(DType dtype, const void* w, int64_t k, int64_t n, void* values,
+                        uint8_t* meta, const Allocator& alloc, cudaStream_t stream) {
+  DeviceBuffer slot;
+  S24_RETURN_IF_ERROR(allocate(alloc, sizeof(unsigned long long), &slot));
+  S24_RETURN_IF_ERROR(cuda_status(reset_error_slots(slots_of(slot), 1, stream), "compress"));
+  S24_RETURN_IF_ERROR(cuda_status(compress(dtype, w, k, n, values, meta, slots_of(slot), stream),
+                                  "Sparse24Compress kernel"));
+  unsigned long long bad;
+  S24_RETURN_IF_ERROR(read_back(slots_of(slot), &bad, 1, stream));
+  if (bad == kNoError) return {};
+  const int64_t g = static_cast<int64_t>(bad) / n;
+  return invalid_argument("Sparse24Compress: not 2:4 sparse: group g=" + str(g) + " (rows k=" +
+                          str(4 * g) + ".." + str(4 * g + 3) + ") of column n=" +
+                          str(static_cast<int64_t>(bad) % n) +
+                          " has more than 2 non-zeros; at most 2 of every 4 consecutive "
+                          "elements along K may be non-zero");
+}
+
+Status check_meta_now(const char* op, const uint8_t* meta, int64_t k, int64_t n,
+                      const Allocator& alloc, cudaStream_t stream) {
+  DeviceBuffer slots;
+  S24_RETURN_IF_ERROR(allocate(alloc, 2 * sizeof(unsigned long long), &slots));
+  S24_RETURN_IF_ERROR(cuda_status(reset_error_slots(slots_of(slots), 2, stream), "meta check"));
+  S24_RETURN_IF_ERROR(cuda_status(check_meta(meta, k, n, slots_of(slots), stream), "meta check"));
+  unsigned long long bad[2];
+  S24_RETURN_IF_ERROR(read_back(slots_of(slots), bad, 2, stream));
+  if (bad[0] != kNoError) {
+    return invalid_argument(std::string(op) + ": invalid meta: row n=" + str(bad[0] / (k / 4)) +
+                            ", group g=" + str(bad[0] % (k / 4)) +
+                            " has positions that are not strictly ascending");
+  }
+  if (bad[1] != kNoError) {
+    return invalid_argument(std::string(op) + ": invalid meta: row n=" + str(bad[1]) +
+                            ", the last byte has a non-zero high nibble, which must be 0 when "
+                            "K % 8 == 4 (K=" + str(k) + ")");
+  }
+  return {};
+}
+
+bool trust_weight_address_from_env() {
+  const char* v = std::getenv("TF_SPARSE24_GPU_TRUST_WEIGHT_ADDRESS");
+  return v != nullptr && std::string(v) == "1";
+}
+
+// One weight's cuSPARSELt operand, and what verifies it on later calls without a host round trip:
+// each call fingerprints values+meta into `check` on the device; a kernel after the matmul
+// recomputes y if that differs from `fingerprint`, and the value is copied to pinned `seen` so a
+// later call drops the stale entry.
+struct SparseMatMul::CachedWeight {
+  CachedWeight() = default;
+  CachedWeight(const CachedWeight&) = delete;
+  CachedWeight& operator=(const CachedWeight&) = delete;
+  ~CachedWeight() {
+    if (seen_ready) {
+      cudaEventSynchronize(seen_ready);  // a copy into `seen` may still be in flight
+      cudaEventDestroy(seen_ready);
+    }
+    if (seen) cudaFreeHost(seen);
+  }
+  int device = -1;
+  const void* values = nullptr;
+  const void* meta = nullptr;
+  int64_t k = 0, n = 0;
+  uint64_t fingerprint = 0;
+  DeviceBuffer compressed;  // cuSPARSELt's operand
+  std::unique_ptr<LtSparseOperand> operand;
+  DeviceBuffer check;                   // one uint64 on the device
+  unsigned long long* seen = nullptr;   // pinned host copy of the last `check`
+  cudaEvent_t seen_ready = nullptr;     // recorded after that copy
+  bool seen_pending = false;
+};
+
+SparseMatMul::SparseMatMul(Logger log, bool trust_weight_address)
+    : log_(std::move(log)), trust_(trust_weight_address) {}
+
+SparseMatMul::~SparseMatMul() = default;
+
+SparseMatMul::Stats SparseMatMul::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {weights_.size(), compressions_, plain_calls_.load()};
+}
+
+Status SparseMatMul::run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream) {
+  const std::string unsupported = lt_unsupported_reason(a.dtype, a.k, a.n);
+  if (!unsupported.empty()) {
+    log_(unsupported, "Sparse24MatMul on GPU runs a plain CUDA kernel (no Sparse Tensor Cores) "
+                      "for " + unsupported);
+    return run_plain(a, alloc, stream);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const Status status = run_lt(a, alloc, stream);
+  if (status.code == Status::kUnimplemented) return run_plain(a, alloc, stream);
+  return status;
+}
+
+Status SparseMatMul::run_plain(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream) {
+  ++plain_calls_;
+  S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
+  return cuda_status(spmm_simple(a.dtype, a.x, a.values, a.meta, a.m, a.k, a.n, a.y, stream),
+                     "Sparse24MatMul plain kernel");
+}
+
+// The cached operand for this weight, (re)compressed if new or known to have changed. On a hit
+// (unless trusted) this call's fingerprint is launched into (*out)->check and *verify is set: the
+// caller must then run the repair kernel after the matmul. Holds mu_.
+Status SparseMatMul::operand(LtContext* lt, int device, const MatMulArgs& a,
+                             const Allocator& alloc, cudaStream_t stream, CachedWeight** out,
+                             bool* verify) {
+  auto it = std::find_if(weights_.begin(), weights_.end(), [&](const CachedWeight& w) {
+    return w.device == device && w.values == a.values && w.meta == a.meta && w.k == a.k &&
+           w.n == a.n;
+  });
+  *verify = false;
+  if (it != weights_.end() && !trust_ && it->seen_pending) {
+    const cudaError_t state = cudaEventQuery(it->seen_ready);
+    if (state == cudaErrorNotReady) {
+      // Not an error, but the runtime records it as this thread's last error, which the next
+      // launch's cudaGetLastError() would then report as its own failure.
+      (void)cudaGetLastError();
+    } else {
+      S24_RETURN_IF_ERROR(cuda_status(state, "checking a cached weight"));
+      it->seen_pending = false;
+      if (*it->seen != it->fingerprint) {  // changed in place since it was compressed
+        weights_.erase(it);
+        it = weights_.end();
+      }
+    }
+  }
+  if (it != weights_.end()) {
+    weights_.splice(weights_.begin(), weights_, it);  // most recently used first
+    CachedWeight& hit = weights_.front();
+    *out = &hit;
+    if (trust_) return {};
+    S24_RETURN_IF_ERROR(launch_fingerprint(a, slots_of(hit.check), stream));
+    *verify = true;
+    return {};
+  }
+  // New weight (or changed): fingerprint it and validate meta (both wait), then compress.
+  DeviceBuffer slot;
+  S24_RETURN_IF_ERROR(allocate(alloc, sizeof(unsigned long long), &slot));
+  S24_RETURN_IF_ERROR(launch_fingerprint(a, slots_of(slot), stream));
+  unsigned long long fingerprint;
+  S24_RETURN_IF_ERROR(read_back(slots_of(slot), &fingerprint, 1, stream));
+  S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
+  auto lt_operand = std::make_unique<LtSparseOperand>();
+  std::string error = lt_operand->init(lt, a.dtype, a.k, a.n);
+  if (!error.empty()) return {Status::kUnimplemented, error};
+  DeviceBuffer wt, scratch, compressed, check;
+  S24_RETURN_IF_ERROR(allocate(alloc, a.n * a.k * dtype_size(a.dtype), &wt));
+  S24_RETURN_IF_ERROR(allocate(alloc, lt_operand->scratch_bytes(), &scratch));
+  S24_RETURN_IF_ERROR(allocate(alloc, lt_operand->compressed_bytes(), &compressed));
+  S24_RETURN_IF_ERROR(allocate(alloc, sizeof(unsigned long long), &check));
+  S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
+                                             /*transposed=*/true, wt.get(), stream),
+                                  "expanding the weight for cuSPARSELt"));
+  error = lt_operand->compress(wt.get(), compressed.get(), scratch.get(), stream);
+  if (!error.empty()) return {Status::kInternal, "Sparse24MatMul: " + error};
+  ++compressions_;
+  weights_.emplace_front();
+  CachedWeight& entry = weights_.front();
+  entry.device = device;
+  entry.values = a.values;
+  entry.meta = a.meta;
+  entry.k = a.k;
+  entry.n = a.n;
+  entry.fingerprint = fingerprint;
+  entry.compressed = std::move(compressed);
+  entry.operand = std::move(lt_operand);
+  entry.check = std::move(check);
+  Status status = cuda_status(cudaHostAlloc(reinterpret_cast<void**>(&entry.seen),
+                                            sizeof(*entry.seen), cudaHostAllocDefault),
+                              "allocating a pinned fingerprint slot");
+  if (status.ok()) {
+    status = cuda_status(cudaEventCreateWithFlags(&entry.seen_ready, cudaEventDisableTiming),
+                         "creating a fingerprint event");
+  }
+  if (!status.ok()) {
+    weights_.pop_front();
+    return status;
+  }
+  if (weights_.size() > kMaxCachedWeights) weights_.pop_back();
+  *out = &weights_.front();
+  return {};
+}
+
+// Holds mu_.
+Status SparseMatMul::run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream) {
+  std::string error;
+  LtContext* lt = LtContext::get(&error);
+  if (lt == nullptr) return {Status::kFailedPrecondition, error};
+  int device = 0;
+  S24_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+  const int64_t m_pad = lt_padded_rows(a.m);
+  const PlanKey key{device, m_pad, a.k, a.n};
+  if (refused_.count(key)) return {Status::kUnimplemented, "refused before"};
+  auto plan_it = plans_.find(key);
+  if (plan_it == plans_.end()) {
+    auto plan = std::make_unique<LtMatmulPlan>();
+    error = plan->init(lt, a.dtype, m_pad, a.k, a.n);
+    if (!error.empty()) {
+      refused_.insert(key);
+      const std::string shape = "M=" + str(m_pad) + " K=" + str(a.k) + " N=" + str(a.n);
+      log_("plan " + shape, "cuSPARSELt does not take " + shape + " (" + error +
+                                "); Sparse24MatMul runs a plain CUDA kernel for it");
+      return {Status::kUnimplemented, error};
+    }
+    if (plans_.size() >= kMaxPlans) plans_.clear();  // many batch sizes: start over
+    plan_it = plans_.emplace(key, std::move(plan)).first;
+  }
+  CachedWeight* weight = nullptr;
+  bool verify = false;
+  S24_RETURN_IF_ERROR(operand(lt, device, a, alloc, stream, &weight, &verify));
+
+  const size_t es = dtype_size(a.dtype);
+  const void* x = a.x;
+  void* y = a.y;
+  DeviceBuffer x_pad, y_pad, workspace;
+  if (m_pad != a.m) {  // cuSPARSELt sees m_pad rows: copy x, zero the extra rows
+    S24_RETURN_IF_ERROR(allocate(alloc, m_pad * a.k * es, &x_pad));
+    S24_RETURN_IF_ERROR(allocate(alloc, m_pad * a.n * es, &y_pad));
+    char* xp = static_cast<char*>(x_pad.get());
+    S24_RETURN_IF_ERROR(cuda_status(
+        cudaMemcpyAsync(xp, a.x, a.m * a.k * es, cudaMemcpyDeviceToDevice, stream), "padding x"));
+    S24_RETURN_IF_ERROR(cuda_status(
+        cudaMemsetAsync(xp + a.m * a.k * es, 0, (m_pad - a.m) * a.k * es, stream), "padding x"));
+    x = xp;
+    y = y_pad.get();
+  }
+  const LtMatmulPlan& plan = *plan_it->second;
+  S24_RETURN_IF_ERROR(allocate(alloc, plan.workspace_bytes(), &workspace));
+  error = plan.run(weight->compressed.get(), x, y, workspace.get(), stream);
+  if (!error.empty()) return {Status::kInternal, "Sparse24MatMul: " + error};
+  if (m_pad != a.m) {
+    S24_RETURN_IF_ERROR(cuda_status(
+        cudaMemcpyAsync(a.y, y, a.m * a.n * es, cudaMemcpyDeviceToDevice, stream), "unpadding y"));
+  }
+  if (verify) {  // the weight may have changed in place since it was compressed: repair y here
+    unsigned long long* check = slots_of(weight->check);
+    S24_RETURN_IF_ERROR(cuda_status(
+        spmm_simple_unless(a.dtype, a.x, a.values, a.meta, a.m, a.k, a.n, a.y, check,
+                           weight->fingerprint, stream),
+        "Sparse24MatMul repair kernel"));
+    S24_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(weight->seen, check, sizeof(*weight->seen),
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "reading the fingerprint"));
+    S24_RETURN_IF_ERROR(cuda_status(cudaEventRecord(weight->seen_ready, stream),
+                                    "recording the fingerprint event"));
+    weight->seen_pending = true;
+  }
+  return {};
+}
+
+}  // namespace gpu
+}  // namespace sparse24

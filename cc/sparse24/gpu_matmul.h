@@ -1,0 +1,122 @@
+// The GPU ops' logic without TensorFlow: compress and meta validation that name the bad group, and
+// Sparse24MatMul's GPU path (cuSPARSELt with a cache of compressed weights; the plain kernel for
+// what cuSPARSELt does not take). The TF kernels (cc/tf/sparse24_gpu_kernels.cu.cc) only check
+// shapes and hand over TensorFlow's allocator and stream; gpu_check drives the same code with
+// stream-ordered cudaMallocAsync, so the cache is checked on a GPU without TensorFlow.
+//
+// How the cache works (docs/GPU.md): a weight is keyed on (device, values and meta addresses, K,
+// N). Its first call fingerprints values+meta, validates meta (both wait for the stream) and
+// compresses it into cuSPARSELt's operand. Later calls fingerprint it again on the device and run
+// the cached operand; a kernel after the matmul recomputes y from values/meta if the fingerprint
+// differs (the weight changed in place), and the fingerprint is copied to pinned memory so a later
+// call drops the stale entry. No call after the first waits for the GPU.
+#ifndef TF_SPARSE24_CC_SPARSE24_GPU_MATMUL_H_
+#define TF_SPARSE24_CC_SPARSE24_GPU_MATMUL_H_
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "cc/sparse24/dtype.h"
+#include "cc/sparse24/gpu_spmm.h"
+
+namespace sparse24 {
+namespace gpu {
+
+struct Status {
+  enum Code { kOk, kInvalidArgument, kFailedPrecondition, kUnimplemented, kResourceExhausted,
+              kInternal };
+  Code code = kOk;
+  std::string message;
+  bool ok() const { return code == kOk; }
+};
+
+// Device memory from the caller's allocator, kept alive by the handle (TF: a Tensor's buffer).
+// The allocator must be stream-ordered like TensorFlow's: memory freed after work was queued on
+// the stream is only reused by work queued later on it (cudaMallocAsync/cudaFreeAsync are).
+using DeviceBuffer = std::shared_ptr<void>;
+using Allocator = std::function<Status(size_t bytes, DeviceBuffer* out)>;
+// Where log lines go; `key` identifies the message, for callers that log each key once.
+using Logger = std::function<void(const std::string& key, const std::string& message)>;
+
+// W [K, N] -> values, meta (format.compress), then waits for the stream: InvalidArgument naming the
+// first group with more than two non-zeros. K % 4 == 0, K and N > 0.
+Status compress_checked(DType dtype, const void* w, int64_t k, int64_t n, void* values,
+                        uint8_t* meta, const Allocator& alloc, cudaStream_t stream);
+
+// Validates meta [N, ceil(K/8)] on the device and waits: InvalidArgument naming row n and group g,
+// prefixed by `op`. K and N > 0.
+Status check_meta_now(const char* op, const uint8_t* meta, int64_t k, int64_t n,
+                      const Allocator& alloc, cudaStream_t stream);
+
+// y [m, n] = x [m, k] @ W, W given as values [n, k/2] and meta [n, ceil(k/8)]; m, k, n > 0.
+struct MatMulArgs {
+  DType dtype;
+  const void* x;
+  const void* values;
+  const uint8_t* meta;
+  int64_t m, k, n;
+  void* y;
+};
+
+// TF_SPARSE24_GPU_TRUST_WEIGHT_ADDRESS=1: see SparseMatMul.
+bool trust_weight_address_from_env();
+
+// Sparse24MatMul's GPU state: cuSPARSELt plans and up to kMaxCachedWeights compressed weights,
+// most recently used kept. Thread-safe (one mutex); one per TF kernel instance.
+class SparseMatMul {
+ public:
+  static constexpr size_t kMaxCachedWeights = 8;
+  static constexpr size_t kMaxPlans = 64;  // one per (padded M, K, N, device)
+
+  // trust_weight_address: a weight seen before at the same buffers is trusted unchanged (no
+  // per-call fingerprint): only for weights that never change in place and are never freed while
+  // in use (served constants).
+  SparseMatMul(Logger log, bool trust_weight_address);
+  ~SparseMatMul();
+  SparseMatMul(const SparseMatMul&) = delete;
+  SparseMatMul& operator=(const SparseMatMul&) = delete;
+
+  // y = x @ W on `stream`: cuSPARSELt (float16/bfloat16, K and N multiples of 16) or the plain
+  // kernel, which validates meta on every call.
+  Status run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
+
+  struct Stats {
+    size_t cached_weights = 0;
+    int compressions = 0;  // weights (re)compressed into cuSPARSELt's operand
+    int plain_calls = 0;   // calls run by the plain kernel
+  };
+  Stats stats();
+
+ private:
+  struct CachedWeight;
+  using PlanKey = std::tuple<int, int64_t, int64_t, int64_t>;  // device, M padded, K, N
+
+  Status run_plain(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
+  Status run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
+  Status operand(LtContext* lt, int device, const MatMulArgs& a, const Allocator& alloc,
+                 cudaStream_t stream, CachedWeight** out, bool* verify);
+
+  Logger log_;
+  bool trust_;
+  std::mutex mu_;
+  std::list<CachedWeight> weights_;  // most recently used first
+  std::map<PlanKey, std::unique_ptr<LtMatmulPlan>> plans_;
+  std::set<PlanKey> refused_;
+  int compressions_ = 0;
+  std::atomic<int> plain_calls_{0};
+};
+
+}  // namespace gpu
+}  // namespace sparse24
+
+#endif  // TF_SPARSE24_CC_SPARSE24_GPU_MATMUL_H_
