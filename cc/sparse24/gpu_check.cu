@@ -557,7 +557,7 @@ void check_tf_op_logic(DType t) {
   Buf y(M * N * esize(t));
   // One op call on p; checks y against float64 after waiting. Returns the call's status.
   auto call = [&](Problem& p, const std::string& what, bool wait = true) {
-    y.poison();
+    CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));  // poison, in stream order
     const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
     const gpu::Status status = mm.run(args, alloc, stream);
     if (!status.ok()) {
@@ -608,6 +608,10 @@ void check_tf_op_logic(DType t) {
     LAUNCH_OK();
     call(p, "queued call", /*wait=*/false);
     call(p, "call while the previous fingerprint is in flight", /*wait=*/false);
+    const cudaError_t busy = cudaStreamQuery(stream);
+    (void)cudaGetLastError();  // cudaErrorNotReady is recorded as the last error
+    verdict(busy == cudaErrorNotReady,
+            "the spinning kernel still held the stream (the not-ready path ran), " + shape);
     const gpu::Status later = call(p, "the call after that");
     verdict(later.ok(), "SparseMatMul: a not-ready fingerprint event is not an error, " + shape);
     // More weights than the cache holds: the oldest is evicted and recompressed when it returns.
