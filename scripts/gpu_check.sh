@@ -107,8 +107,8 @@ if [[ -z "${GPU_CHECK_BIN:-}" ]]; then
   echo "building $HARNESS ..."
   "$NVCC" -std=c++17 -O3 --threads 0 -gencode=arch=compute_90,code=sm_90 \
       -gencode=arch=compute_80,code="[sm_80,compute_80]" -I. cc/sparse24/gpu_check.cu \
-      cc/sparse24/gpu_kernels.cu cc/sparse24/gpu_matmul.cu cc/sparse24/gpu_spmm.cu \
-      cc/sparse24/cusparselt.cc \
+      cc/sparse24/gpu_blas.cu cc/sparse24/gpu_dlopen.cu cc/sparse24/gpu_kernels.cu \
+      cc/sparse24/gpu_matmul.cu cc/sparse24/gpu_spmm.cu cc/sparse24/cusparselt.cc \
       -o "$HARNESS" -ldl -lpthread
 fi
 

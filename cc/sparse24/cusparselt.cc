@@ -1,38 +1,15 @@
 // dlopen glue for cuSPARSELt (see cusparselt.h). Plain C++: no CUDA headers, no link dependency.
 #include "cc/sparse24/cusparselt.h"
 
-#include <dlfcn.h>
-
-#include <cstdlib>
-#include <mutex>
 #include <string>
-#include <vector>
+
+#include "cc/sparse24/gpu_dlopen.h"
 
 namespace sparse24 {
 namespace lt {
 namespace {
 
 constexpr char kSoname[] = "libcusparseLt.so.0";
-
-// site-packages of the binary holding this code: .../site-packages/tf_sparse24/_ops.so -> ...
-std::string site_packages_dir() {
-  Dl_info info;
-  if (dladdr(reinterpret_cast<void*>(&site_packages_dir), &info) == 0 || !info.dli_fname) return "";
-  std::string path = info.dli_fname;
-  for (int up = 0; up < 2; ++up) {
-    const size_t slash = path.rfind('/');
-    if (slash == std::string::npos) return "";
-    path.resize(slash);
-  }
-  return path;
-}
-
-template <typename Fn>
-bool bind(void* lib, const char* name, Fn* fn, std::string* missing) {
-  *fn = reinterpret_cast<Fn>(dlsym(lib, name));
-  if (*fn == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
-  return *fn != nullptr;
-}
 
 struct Loaded {
   Api api{};
@@ -42,51 +19,35 @@ struct Loaded {
 
 Loaded load() {
   Loaded out;
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("TF_SPARSE24_CUSPARSELT"); env && *env) {
-    candidates.push_back(env);
-  }
-  candidates.push_back(kSoname);
-  const std::string site = site_packages_dir();
-  if (!site.empty()) {
-    for (const char* sub : {"nvidia/cusparselt/lib/", "nvidia/cu13/lib/", "nvidia/cu12/lib/"}) {
-      candidates.push_back(site + "/" + sub + kSoname);
-    }
-  }
-  void* lib = nullptr;
-  std::string tried;
-  for (const std::string& path : candidates) {
-    lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (lib) break;
-    const char* why = dlerror();
-    tried += "\n  " + path + ": " + (why ? why : "not found");
-  }
+  std::string where;
+  void* lib = open_nvidia_library("TF_SPARSE24_CUSPARSELT", {kSoname},
+                                  {"cusparselt", "cu13", "cu12"}, &where);
   if (!lib) {
     out.error = std::string("cuSPARSELt (") + kSoname +
                 ") could not be loaded; the GPU 2:4 matmul needs it. Install it with "
                 "`pip install tf_sparse24[gpu]` (the nvidia-cusparselt-cu12 wheel), or point "
-                "TF_SPARSE24_CUSPARSELT at libcusparseLt.so.0. Tried:" + tried;
+                "TF_SPARSE24_CUSPARSELT at libcusparseLt.so.0. Tried:" + where;
     return out;
   }
   Api& a = out.api;
   std::string missing;
-  bind(lib, "cusparseLtInit", &a.Init, &missing);
-  bind(lib, "cusparseLtDestroy", &a.Destroy, &missing);
-  bind(lib, "cusparseLtGetVersion", &a.GetVersion, &missing);
-  bind(lib, "cusparseLtDenseDescriptorInit", &a.DenseDescriptorInit, &missing);
-  bind(lib, "cusparseLtStructuredDescriptorInit", &a.StructuredDescriptorInit, &missing);
-  bind(lib, "cusparseLtMatDescriptorDestroy", &a.MatDescriptorDestroy, &missing);
-  bind(lib, "cusparseLtMatmulDescriptorInit", &a.MatmulDescriptorInit, &missing);
-  bind(lib, "cusparseLtMatmulAlgSelectionInit", &a.MatmulAlgSelectionInit, &missing);
-  bind(lib, "cusparseLtMatmulAlgSelectionDestroy", &a.MatmulAlgSelectionDestroy, &missing);
-  bind(lib, "cusparseLtMatmulAlgGetAttribute", &a.MatmulAlgGetAttribute, &missing);
-  bind(lib, "cusparseLtMatmulGetWorkspace", &a.MatmulGetWorkspace, &missing);
-  bind(lib, "cusparseLtMatmulPlanInit", &a.MatmulPlanInit, &missing);
-  bind(lib, "cusparseLtMatmulPlanDestroy", &a.MatmulPlanDestroy, &missing);
-  bind(lib, "cusparseLtMatmul", &a.Matmul, &missing);
-  bind(lib, "cusparseLtMatmulSearch", &a.MatmulSearch, &missing);
-  bind(lib, "cusparseLtSpMMACompressedSize2", &a.SpMMACompressedSize2, &missing);
-  bind(lib, "cusparseLtSpMMACompress2", &a.SpMMACompress2, &missing);
+  bind_symbol(lib, "cusparseLtInit", &a.Init, &missing);
+  bind_symbol(lib, "cusparseLtDestroy", &a.Destroy, &missing);
+  bind_symbol(lib, "cusparseLtGetVersion", &a.GetVersion, &missing);
+  bind_symbol(lib, "cusparseLtDenseDescriptorInit", &a.DenseDescriptorInit, &missing);
+  bind_symbol(lib, "cusparseLtStructuredDescriptorInit", &a.StructuredDescriptorInit, &missing);
+  bind_symbol(lib, "cusparseLtMatDescriptorDestroy", &a.MatDescriptorDestroy, &missing);
+  bind_symbol(lib, "cusparseLtMatmulDescriptorInit", &a.MatmulDescriptorInit, &missing);
+  bind_symbol(lib, "cusparseLtMatmulAlgSelectionInit", &a.MatmulAlgSelectionInit, &missing);
+  bind_symbol(lib, "cusparseLtMatmulAlgSelectionDestroy", &a.MatmulAlgSelectionDestroy, &missing);
+  bind_symbol(lib, "cusparseLtMatmulAlgGetAttribute", &a.MatmulAlgGetAttribute, &missing);
+  bind_symbol(lib, "cusparseLtMatmulGetWorkspace", &a.MatmulGetWorkspace, &missing);
+  bind_symbol(lib, "cusparseLtMatmulPlanInit", &a.MatmulPlanInit, &missing);
+  bind_symbol(lib, "cusparseLtMatmulPlanDestroy", &a.MatmulPlanDestroy, &missing);
+  bind_symbol(lib, "cusparseLtMatmul", &a.Matmul, &missing);
+  bind_symbol(lib, "cusparseLtMatmulSearch", &a.MatmulSearch, &missing);
+  bind_symbol(lib, "cusparseLtSpMMACompressedSize2", &a.SpMMACompressedSize2, &missing);
+  bind_symbol(lib, "cusparseLtSpMMACompress2", &a.SpMMACompress2, &missing);
   if (!missing.empty()) {
     out.error = std::string("the loaded cuSPARSELt lacks ") + missing +
                 "; tf_sparse24 needs cuSPARSELt >= 0.6 (pip install -U nvidia-cusparselt-cu12)";

@@ -14,7 +14,6 @@
 // Build and run: scripts/gpu_check.sh (it finds the libraries). `gpu_check --help` lists flags.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +31,7 @@
 
 #include "cc/sparse24/cusparselt.h"
 #include "cc/sparse24/dtype.h"
+#include "cc/sparse24/gpu_blas.h"
 #include "cc/sparse24/gpu_kernels.h"
 #include "cc/sparse24/gpu_matmul.h"
 #include "cc/sparse24/gpu_spmm.h"
@@ -83,37 +83,6 @@ void verdict(bool ok, const std::string& what) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// cuBLAS, loaded at run time (declarations from the cuBLAS documentation; values as in
-// cublas_api.h: CUBLAS_OP_N = 0, CUBLAS_COMPUTE_32F = 68, CUBLAS_GEMM_DEFAULT = -1).
-
-struct Cublas {
-  int (*Create)(void**);
-  int (*SetStream)(void*, cudaStream_t);
-  int (*GemmEx)(void*, int, int, int, int, int, const void*, const void*, int, int, const void*,
-                int, int, const void*, void*, int, int, int, int);
-  void* handle = nullptr;
-};
-
-Cublas load_cublas(const std::string& path, std::string* where) {
-  std::vector<std::string> names;
-  if (!path.empty()) names.push_back(path);
-  for (const char* n : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}) names.push_back(n);
-  std::string tried;
-  for (const std::string& n : names) {
-    void* lib = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!lib) { tried += "\n  " + n + ": " + dlerror(); continue; }
-    Cublas c;
-    c.Create = reinterpret_cast<decltype(c.Create)>(dlsym(lib, "cublasCreate_v2"));
-    c.SetStream = reinterpret_cast<decltype(c.SetStream)>(dlsym(lib, "cublasSetStream_v2"));
-    c.GemmEx = reinterpret_cast<decltype(c.GemmEx)>(dlsym(lib, "cublasGemmEx"));
-    if (!c.Create || !c.SetStream || !c.GemmEx) die(3, n + " lacks cublasCreate_v2/SetStream_v2/GemmEx");
-    *where = n;
-    return c;
-  }
-  die(3, "cuBLAS not found (pass --cublas PATH). Tried:" + tried);
-}
-
-// ---------------------------------------------------------------------------------------------
 // Host-side element conversions and the CPU reference of sparse24/v1 (written from
 // docs/FORMAT.md, independently of the GPU kernels).
 
@@ -130,7 +99,6 @@ int esize(DType t) { return static_cast<int>(sparse24::dtype_size(t)); }
 const char* dname(DType t) {
   return t == DType::kBFloat16 ? "bf16" : t == DType::kFloat16 ? "fp16" : "fp32";
 }
-int cuda_type(DType t) { return t == DType::kBFloat16 ? 14 : t == DType::kFloat16 ? 2 : 0; }
 
 double to_double(DType t, const uint8_t* p, int64_t i) {
   if (t == DType::kFloat32) { float f; std::memcpy(&f, p + 4 * i, 4); return f; }
@@ -354,17 +322,10 @@ struct LtRunner {
   }
 };
 
-// y [m, N] = x[:m] @ W with cuBLAS.
-void cublas_run(const Cublas& cb, const Problem& p, int64_t m, const void* w, const void* x, void* y) {
-  // Column-major view: y^T [N, M] = W^T [N, K] (W row-major, ld N) @ x^T [K, M] (x row-major, ld K).
-  const float alpha = 1.f, beta = 0.f;
-  const int type = cuda_type(p.t);
-  const int status = cb.GemmEx(cb.handle, 0, 0, static_cast<int>(p.N), static_cast<int>(m),
-                               static_cast<int>(p.K), &alpha, w, type, static_cast<int>(p.N), x,
-                               type, static_cast<int>(p.K), &beta, y, type, static_cast<int>(p.N),
-                               /*CUBLAS_COMPUTE_32F*/ 68, /*CUBLAS_GEMM_DEFAULT*/ -1);
-  if (status != 0) die(1, fmt("cublasGemmEx(M=%ld K=%ld N=%ld %s) returned %d", (long)m,
-                              (long)p.K, (long)p.N, dname(p.t), status));
+// y [m, N] = x[:m] @ W with cuBLAS (the op's dense path, gpu_blas.h).
+void cublas_run(const Problem& p, int64_t m, const void* w, const void* x, void* y) {
+  const std::string error = gpu::dense_gemm(p.t, x, w, m, p.K, p.N, y, 0);
+  if (!error.empty()) die(1, error);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -452,7 +413,7 @@ void check_format(DType t, int64_t K, int64_t N) {
               (long)std::min(n_a, n_b), first) + shape);
 }
 
-void check_matmul(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, int64_t N) {
+void check_matmul(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N) {
   Problem p(t, M, K, N);
   if (p.compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
   const std::string shape = fmt("%s M=%ld K=%ld N=%ld", dname(t), (long)M, (long)K, (long)N);
@@ -489,7 +450,7 @@ void check_matmul(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int
   }
   if (t == DType::kFloat32) return;
   y.poison();
-  cublas_run(cb, p, M, p.w.p, p.x.p, y.p);
+  cublas_run(p, M, p.w.p, p.x.p, y.p);
   CUDA_OK(cudaDeviceSynchronize());
   c = check_product(p, y, M, rows);
   verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
@@ -545,95 +506,106 @@ void overwrite_weight(Problem& a, const Problem& b) {
   CUDA_OK(cudaMemcpy(a.meta.p, b.meta.p, a.meta.bytes, cudaMemcpyDeviceToDevice));
 }
 
-void check_tf_op_logic(DType t) {
+void check_tf_op_logic(DType t, cudaStream_t stream) {
   const int64_t M = 40, K = 512, N = 256;  // cuSPARSELt takes it (bf16/fp16); M padded to 48
   const std::string shape = fmt("%s M=%ld K=%ld N=%ld", dname(t), (long)M, (long)K, (long)N);
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreate(&stream));
   const gpu::Allocator alloc = stream_allocator(stream);
   std::vector<std::string> logs;
+  // The weights it caches (p, more) live to the end of this function, so no later Problem gets a
+  // cached weight's addresses (that would be a cache hit). Declared first: destroyed last, while
+  // the caller's stream, on which its buffers are freed, still exists.
   gpu::SparseMatMul mm([&](const std::string&, const std::string& m) { logs.push_back(m); },
                        /*trust_weight_address=*/false);
   Buf y(M * N * esize(t));
-  // One op call on p; checks y against float64 after waiting. Returns the call's status.
-  auto call = [&](Problem& p, const std::string& what, bool wait = true) {
-    CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));  // poison, in stream order
-    const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
-    const gpu::Status status = mm.run(args, alloc, stream);
-    if (!status.ok()) {
-      verdict(false, "SparseMatMul " + what + ": " + status.message + ", " + shape);
-      return status;
-    }
-    if (!wait) return status;
+  auto check_y = [&](const Problem& p, int64_t rows, const std::string& what) {
     CUDA_OK(cudaStreamSynchronize(stream));
-    const Check c = check_product(p, y, M, 8);
+    const Check c = check_product(p, y, rows, 8);
     verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
             fmt("SparseMatMul %s: rel err %.2e, unwritten %ld, ", what.c_str(), c.rel_err,
                 (long)c.bad_outputs) + shape);
+  };
+  // One op call on p (y poisoned first, in stream order); checks y unless wait is false.
+  auto call = [&](Problem& p, const std::string& what, bool wait = true, int64_t rows = 0) {
+    if (rows == 0) rows = M;
+    CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
+    const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), rows, K, N, y.p};
+    const gpu::Status status = mm.run(args, alloc, stream);
+    if (!status.ok()) {
+      verdict(false, "SparseMatMul " + what + ": " + status.message + ", " + shape);
+    } else if (wait) {
+      check_y(p, rows, what);
+    }
     return status;
   };
-  auto stats_are = [&](size_t cached, int compressions, int plain, const std::string& what) {
+  auto stats_are = [&](size_t cached, int compressions, int plain, int dense,
+                       const std::string& what) {
     const gpu::SparseMatMul::Stats s = mm.stats();
     verdict(s.cached_weights == cached && s.compressions == compressions &&
-                s.plain_calls == plain,
-            fmt("SparseMatMul %s: %zu cached / %d compressions / %d plain calls (want %zu / %d "
-                "/ %d), ", what.c_str(), s.cached_weights, s.compressions, s.plain_calls, cached,
-                compressions, plain) + shape);
+                s.plain_calls == plain && s.dense_calls == dense,
+            fmt("SparseMatMul %s: %zu cached / %d compressions / %d plain / %d dense calls (want "
+                "%zu / %d / %d / %d), ", what.c_str(), s.cached_weights, s.compressions,
+                s.plain_calls, s.dense_calls, cached, compressions, plain, dense) + shape);
   };
-  Problem p(t, M, K, N), other(t, M, K, N);
-  if (p.compress() != gpu::kNoError || other.compress() != gpu::kNoError) {
-    die(1, "compress flagged a 2:4 input");
-  }
-  const bool lt_path = gpu::lt_unsupported_reason(t, K, N).empty();
-  if (!lt_path) {  // float32: the plain kernel, meta checked every call, logged
-    call(p, "plain path");
-    stats_are(0, 0, 1, "plain path");
-    verdict(!logs.empty() && logs[0].find("plain CUDA kernel") != std::string::npos,
-            "SparseMatMul logs the plain path, " + shape);
+  auto fresh = [&] {
+    auto q = std::make_unique<Problem>(t, M, K, N);
+    if (q->compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+    return q;
+  };
+  std::unique_ptr<Problem> p = fresh(), other = fresh(), bad = fresh();
+  std::vector<std::unique_ptr<Problem>> more;
+  if (!gpu::lt_unsupported_reason(t, K, N).empty()) {  // float32: the fallback, meta every call
+    call(*p, "fallback, cuBLAS on the decompressed weight");
+    stats_are(0, 0, 0, 1, "fallback, dense");
+    verdict(!logs.empty() && logs[0].find("dense cuBLAS matmul") != std::string::npos,
+            "SparseMatMul logs the fallback, " + shape);
+    call(*p, "fallback, plain kernel", true, gpu::SparseMatMul::kPlainMaxRows);
+    stats_are(0, 0, 1, 1, "fallback, plain");
   } else {
-    call(p, "first call (compress)");
-    stats_are(1, 1, 0, "first call");
-    call(p, "cached call");
-    stats_are(1, 1, 0, "cached call");
+    call(*p, "first call (compress)");
+    stats_are(1, 1, 0, 0, "first call");
+    call(*p, "cached call");
+    stats_are(1, 1, 0, 0, "cached call");
     // Changed in place (same buffers): this call must repair y on the device...
-    overwrite_weight(p, other);
-    call(p, "call after an in-place change (repaired)");
-    stats_are(1, 1, 0, "in-place change");
+    overwrite_weight(*p, *other);
+    call(*p, "call after an in-place change (repaired)");
+    stats_are(1, 1, 0, 0, "in-place change");
     // ...and the next one, having seen the fingerprint, recompresses.
-    call(p, "next call (recompressed)");
-    stats_are(1, 2, 0, "recompress");
+    call(*p, "next call (recompressed)");
+    stats_are(1, 2, 0, 0, "recompress");
     // A call whose predecessor's fingerprint copy has not landed yet (the stream is held by a
-    // spinning kernel): the not-ready event must not fail this or a later call.
+    // spinning kernel): the not-ready event must not fail it, and its y must be right.
     spin_kernel<<<1, 1, 0, stream>>>(200);
     LAUNCH_OK();
-    call(p, "queued call", /*wait=*/false);
-    call(p, "call while the previous fingerprint is in flight", /*wait=*/false);
+    call(*p, "queued call", /*wait=*/false);
+    call(*p, "call while the previous fingerprint is in flight", /*wait=*/false);
     const cudaError_t busy = cudaStreamQuery(stream);
     (void)cudaGetLastError();  // cudaErrorNotReady is recorded as the last error
     verdict(busy == cudaErrorNotReady,
             "the spinning kernel still held the stream (the not-ready path ran), " + shape);
-    const gpu::Status later = call(p, "the call after that");
+    check_y(*p, M, "call while the previous fingerprint was in flight");
+    const gpu::Status later = call(*p, "the call after that");
     verdict(later.ok(), "SparseMatMul: a not-ready fingerprint event is not an error, " + shape);
-    // More weights than the cache holds: the oldest is evicted and recompressed when it returns.
-    std::vector<std::unique_ptr<Problem>> more;
-    for (size_t i = 0; i < gpu::SparseMatMul::kMaxCachedWeights; ++i) {
-      more.push_back(std::make_unique<Problem>(t, M, K, N));
-      if (more.back()->compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
-      call(*more.back(), fmt("weight %zu", i + 2));
+    // More weights than the cache holds, p used again just before the last one: least recently
+    // used goes (more[0]), not first inserted (p).
+    const size_t capacity = gpu::SparseMatMul::kMaxCachedWeights;
+    for (size_t i = 0; i < capacity; ++i) {
+      more.push_back(fresh());
+      if (i + 1 == capacity) call(*p, "cached call between new weights");
+      call(*more.back(), fmt("new weight %zu", i + 1));
     }
-    stats_are(gpu::SparseMatMul::kMaxCachedWeights, 2 + static_cast<int>(more.size()), 0,
-              "eviction");
-    call(p, "evicted weight again");
-    stats_are(gpu::SparseMatMul::kMaxCachedWeights, 3 + static_cast<int>(more.size()), 0,
-              "evicted weight recompressed");
+    const int inserted = 2 + static_cast<int>(capacity);
+    stats_are(capacity, inserted, 0, 0, "cache full");
+    call(*p, "recently used weight (kept)");
+    stats_are(capacity, inserted, 0, 0, "recently used weight kept");
+    call(*more[0], "least recently used weight (evicted, recompressed)");
+    stats_are(capacity, inserted + 1, 0, 0, "least recently used weight recompressed");
   }
   // Invalid meta on a new weight (row n=N-1, group g=1): named, before any result.
-  Problem bad(t, M, K, N);
-  if (bad.compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
   const uint8_t invalid = 0x5e;  // byte 0: group 0 at positions (2, 3), group 1 at (1, 1)
-  CUDA_OK(cudaMemcpy(bad.meta.get<uint8_t>() + (N - 1) * ((K + 7) / 8), &invalid, 1,
+  CUDA_OK(cudaMemcpy(bad->meta.get<uint8_t>() + (N - 1) * ((K + 7) / 8), &invalid, 1,
                      cudaMemcpyHostToDevice));
-  const gpu::MatMulArgs bad_args{t, bad.x.p, bad.values.p, bad.meta.get<uint8_t>(), M, K, N, y.p};
+  const gpu::MatMulArgs bad_args{t, bad->x.p, bad->values.p, bad->meta.get<uint8_t>(),
+                                 M, K, N, y.p};
   const gpu::Status status = mm.run(bad_args, alloc, stream);
   const std::string want = fmt("Sparse24MatMul: invalid meta: row n=%ld, group g=1 ", (long)(N - 1));
   verdict(status.code == gpu::Status::kInvalidArgument &&
@@ -643,18 +615,17 @@ void check_tf_op_logic(DType t) {
   const float half = 0.5f;
   const uint16_t half16 = t == DType::kBFloat16 ? 0x3f00 : 0x3800;
   for (int r = 0; r < 3; ++r) {  // three non-zeros in group g=2 of column n=5
-    CUDA_OK(cudaMemcpy(bad.w.get<uint8_t>() + ((8 + r) * N + 5) * esize(t),
+    CUDA_OK(cudaMemcpy(bad->w.get<uint8_t>() + ((8 + r) * N + 5) * esize(t),
                        t == DType::kFloat32 ? static_cast<const void*>(&half) : &half16,
                        esize(t), cudaMemcpyHostToDevice));
   }
   const gpu::Status compress_status = gpu::compress_checked(
-      t, bad.w.p, K, N, bad.values.p, bad.meta.get<uint8_t>(), alloc, stream);
+      t, bad->w.p, K, N, bad->values.p, bad->meta.get<uint8_t>(), alloc, stream);
   verdict(compress_status.code == gpu::Status::kInvalidArgument &&
               compress_status.message.find("group g=2 (rows k=8..11) of column n=5") !=
                   std::string::npos,
           "compress_checked names the group (\"" + compress_status.message + "\"), " + shape);
   CUDA_OK(cudaStreamSynchronize(stream));
-  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -723,7 +694,7 @@ void print_row(const Row& r, FILE* csv) {
   }
 }
 
-Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, int64_t N,
+Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
           int warmup, int reps, int check_rows, size_t l2_bytes) {
   const int64_t m_pad = gpu::lt_padded_rows(M), es = esize(t);
   // Enough copies of the operands, used in turn, that the timed calls read them from memory
@@ -742,7 +713,7 @@ Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, 
   }
   CUDA_OK(cudaDeviceSynchronize());
   Row row{dname(t), M, K, N, 0, NAN, NAN, NAN, NAN, -1, copies};
-  row.dense_ms = time_ms([&](int i) { cublas_run(cb, ps[i], M, ps[i].w.p, ps[i].x.p, ys[i].p); },
+  row.dense_ms = time_ms([&](int i) { cublas_run(ps[i], M, ps[i].w.p, ps[i].x.p, ys[i].p); },
                          copies, warmup, reps);
   const std::string shape =
       fmt("bench shape %s M=%ld K=%ld N=%ld: ", dname(t), (long)M, (long)K, (long)N);
@@ -770,8 +741,9 @@ Row bench(gpu::LtContext* ctx, const Cublas& cb, DType t, int64_t M, int64_t K, 
   row.lt_ms = time_ms(lt_launch, copies, warmup, reps);
   // The TensorFlow op's device work per call on a cached, unchanged weight (docs/GPU.md): this
   // call's fingerprint of values+meta, the default-config matmul, then the repair kernel, which
-  // finds the fingerprint unchanged and leaves y alone. Not in it: padding x, the host's cache
-  // lookup. Timed before the search below changes copy 0's plan.
+  // finds the fingerprint unchanged and leaves y alone. Not in it: the copies padding x and
+  // unpadding y, the fingerprint's copy to the host and its event, the host's cache lookup.
+  // Timed before the search below changes copy 0's plan.
   Buf checks(copies * sizeof(unsigned long long));
   auto fingerprint_into = [&](int i) {
     unsigned long long* slot = checks.get<unsigned long long>() + i;
@@ -925,8 +897,9 @@ int main(int argc, char** argv) {
   std::string error;
   if (!sparse24::lt::load_cusparselt(&error)) die(3, error);
   out("cuSPARSELt: loaded (%s)\n", args.cusparselt.empty() ? "default search path" : args.cusparselt.c_str());
+  if (!args.cublas.empty()) setenv("TF_SPARSE24_CUBLAS", args.cublas.c_str(), 1);
   std::string cublas_where;
-  Cublas cb = load_cublas(args.cublas, &cublas_where);
+  if (!gpu::load_cublas(&cublas_where)) die(3, cublas_where + " (pass --cublas PATH)");
   out("cuBLAS: loaded %s\n", cublas_where.c_str());
   if (args.dry_run) { out("dry run: arguments and libraries OK; no GPU work done\n"); return 0; }
 
@@ -944,7 +917,6 @@ int main(int argc, char** argv) {
   gpu::LtContext* ctx = gpu::LtContext::get(&error);
   if (!ctx) die(3, error);
   out("cuSPARSELt version %d\n", ctx->version());
-  if (cb.Create(&cb.handle) != 0 || cb.SetStream(cb.handle, 0) != 0) die(3, "cublasCreate failed");
 
   if (!args.skip_checks) {
     out("\n== checks (fresh random inputs each run; outputs poisoned with NaN first)\n");
@@ -954,13 +926,17 @@ int main(int argc, char** argv) {
       }
     }
     for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-      check_matmul(ctx, cb, t, 3, 20, 12);      // unaligned: fallback only
-      check_matmul(ctx, cb, t, 37, 200, 48);    // K not a multiple of 16: fallback only
-      check_matmul(ctx, cb, t, 1, 768, 3072);   // batch 1, padded to 16 rows
-      check_matmul(ctx, cb, t, 50, 1024, 256);  // padded to 64 rows
-      check_matmul(ctx, cb, t, 256, 4096, 4096);
+      check_matmul(ctx, t, 3, 20, 12);      // unaligned: fallback only
+      check_matmul(ctx, t, 37, 200, 48);    // K not a multiple of 16: fallback only
+      check_matmul(ctx, t, 1, 768, 3072);   // batch 1, padded to 16 rows
+      check_matmul(ctx, t, 50, 1024, 256);  // padded to 64 rows
+      check_matmul(ctx, t, 256, 4096, 4096);
     }
-    for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) check_tf_op_logic(t);
+    cudaStream_t stream;  // outlives each check's SparseMatMul, whose buffers are freed on it
+    CUDA_OK(cudaStreamCreate(&stream));
+    for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) check_tf_op_logic(t, stream);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaStreamDestroy(stream));
   }
 
   std::vector<Row> rows;
@@ -972,7 +948,7 @@ int main(int argc, char** argv) {
     if (csv) fprintf(csv, "dtype,M,K,N,cublas_ms,cusparselt_ms,cusparselt_search_ms,config,rel_err,copies,op_ms\n");
     print_header();
     auto measure = [&](DType t, int64_t M, int64_t K, int64_t N) {
-      rows.push_back(bench(ctx, cb, t, M, K, N, args.warmup, args.reps, args.check_rows, prop.l2CacheSize));
+      rows.push_back(bench(ctx, t, M, K, N, args.warmup, args.reps, args.check_rows, prop.l2CacheSize));
       print_row(rows.back(), csv);
     };
     for (DType t : args.dtypes) {
@@ -987,7 +963,8 @@ int main(int argc, char** argv) {
     for (const Row& r : rows) print_row(r, nullptr);
     out("Lt = cuSPARSELt default config; Lt* = after cusparseLtMatmulSearch. Ratios > 1: 2:4 faster.\n"
         "op = the TF op's device work per call on a cached weight: fingerprint of values+meta, Lt,\n"
-        "and the repair kernel that finds the weight unchanged (TRUST_WEIGHT_ADDRESS=1 runs Lt only).\n"
+        "and the repair kernel that finds the weight unchanged (TRUST_WEIGHT_ADDRESS=1 runs Lt only);\n"
+        "not in it: copies padding x / unpadding y, the 8-byte fingerprint copy and its event.\n"
         "TF/s counts the dense-equivalent 2*M*K*N flops. Lt runs M rounded up to a multiple of\n"
         "%ld (the op copies x into such a padded buffer; that copy is not in these times).\n"
         "copies: operand sets used in turn so that each call reads from memory, not L2. Calls are\n"

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "cc/sparse24/gpu_blas.h"
 #include "cc/sparse24/gpu_kernels.h"
 
 namespace sparse24 {
@@ -123,6 +124,7 @@ struct SparseMatMul::CachedWeight {
     if (seen) cudaFreeHost(seen);
   }
   int device = -1;
+  DType dtype = DType::kFloat32;
   const void* values = nullptr;
   const void* meta = nullptr;
   int64_t k = 0, n = 0;
@@ -142,25 +144,44 @@ SparseMatMul::~SparseMatMul() = default;
 
 SparseMatMul::Stats SparseMatMul::stats() {
   std::lock_guard<std::mutex> lock(mu_);
-  return {weights_.size(), compressions_, plain_calls_.load()};
+  return {weights_.size(), compressions_, plain_calls_.load(), dense_calls_.load()};
 }
 
 Status SparseMatMul::run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream) {
   const std::string unsupported = lt_unsupported_reason(a.dtype, a.k, a.n);
   if (!unsupported.empty()) {
-    log_(unsupported, "Sparse24MatMul on GPU runs a plain CUDA kernel (no Sparse Tensor Cores) "
-                      "for " + unsupported);
-    return run_plain(a, alloc, stream);
+    log_(unsupported, "Sparse24MatMul on GPU does not use the Sparse Tensor Cores for " +
+                          unsupported + ": it runs a dense cuBLAS matmul on the decompressed "
+                          "weight (more than " + str(kPlainMaxRows) + " rows of x) or a plain "
+                          "CUDA kernel");
+    return run_fallback(a, alloc, stream);
   }
   std::lock_guard<std::mutex> lock(mu_);
   const Status status = run_lt(a, alloc, stream);
-  if (status.code == Status::kUnimplemented) return run_plain(a, alloc, stream);
+  if (status.code == Status::kUnimplemented) return run_fallback(a, alloc, stream);
   return status;
 }
 
-Status SparseMatMul::run_plain(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream) {
-  ++plain_calls_;
+Status SparseMatMul::run_fallback(const MatMulArgs& a, const Allocator& alloc,
+                                  cudaStream_t stream) {
   S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
+  std::string where;
+  if (a.m > kPlainMaxRows && load_cublas(&where)) {
+    ++dense_calls_;
+    DeviceBuffer w;
+    S24_RETURN_IF_ERROR(allocate(alloc, a.k * a.n * dtype_size(a.dtype), &w));
+    S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
+                                               /*transposed=*/false, w.get(), stream),
+                                    "decompressing the weight"));
+    const std::string error = dense_gemm(a.dtype, a.x, w.get(), a.m, a.k, a.n, a.y, stream);
+    if (error.empty()) return {};
+    return {Status::kInternal, "Sparse24MatMul: " + error};
+  }
+  if (a.m > kPlainMaxRows) {
+    log_("no cuBLAS", "Sparse24MatMul on GPU runs its plain CUDA kernel at every batch size: " +
+                          where);
+  }
+  ++plain_calls_;
   return cuda_status(spmm_simple(a.dtype, a.x, a.values, a.meta, a.m, a.k, a.n, a.y, stream),
                      "Sparse24MatMul plain kernel");
 }
@@ -172,8 +193,8 @@ Status SparseMatMul::operand(LtContext* lt, int device, const MatMulArgs& a,
                              const Allocator& alloc, cudaStream_t stream, CachedWeight** out,
                              bool* verify) {
   auto it = std::find_if(weights_.begin(), weights_.end(), [&](const CachedWeight& w) {
-    return w.device == device && w.values == a.values && w.meta == a.meta && w.k == a.k &&
-           w.n == a.n;
+    return w.device == device && w.dtype == a.dtype && w.values == a.values &&
+           w.meta == a.meta && w.k == a.k && w.n == a.n;
   });
   *verify = false;
   if (it != weights_.end() && !trust_ && it->seen_pending) {
@@ -224,6 +245,7 @@ Status SparseMatMul::operand(LtContext* lt, int device, const MatMulArgs& a,
   weights_.emplace_front();
   CachedWeight& entry = weights_.front();
   entry.device = device;
+  entry.dtype = a.dtype;
   entry.values = a.values;
   entry.meta = a.meta;
   entry.k = a.k;
@@ -256,7 +278,7 @@ Status SparseMatMul::run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStr
   int device = 0;
   S24_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
   const int64_t m_pad = lt_padded_rows(a.m);
-  const PlanKey key{device, m_pad, a.k, a.n};
+  const PlanKey key{device, a.dtype, m_pad, a.k, a.n};
   if (refused_.count(key)) return {Status::kUnimplemented, "refused before"};
   auto plan_it = plans_.find(key);
   if (plan_it == plans_.end()) {

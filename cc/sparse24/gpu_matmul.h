@@ -1,15 +1,16 @@
 // The GPU ops' logic without TensorFlow: compress and meta validation that name the bad group, and
-// Sparse24MatMul's GPU path (cuSPARSELt with a cache of compressed weights; the plain kernel for
-// what cuSPARSELt does not take). The TF kernels (cc/tf/sparse24_gpu_kernels.cu.cc) only check
-// shapes and hand over TensorFlow's allocator and stream; gpu_check drives the same code with
-// stream-ordered cudaMallocAsync, so the cache is checked on a GPU without TensorFlow.
+// Sparse24MatMul's GPU path (cuSPARSELt with a cache of compressed weights; for what cuSPARSELt
+// does not take, the plain kernel or cuBLAS on the decompressed weight). The TF kernels
+// (cc/tf/sparse24_gpu_kernels.cu.cc) only check shapes and hand over TensorFlow's allocator and
+// stream; gpu_check drives the same code with stream-ordered cudaMallocAsync, so the cache is
+// checked on a GPU without TensorFlow.
 //
-// How the cache works (docs/GPU.md): a weight is keyed on (device, values and meta addresses, K,
-// N). Its first call fingerprints values+meta, validates meta (both wait for the stream) and
-// compresses it into cuSPARSELt's operand. Later calls fingerprint it again on the device and run
-// the cached operand; a kernel after the matmul recomputes y from values/meta if the fingerprint
-// differs (the weight changed in place), and the fingerprint is copied to pinned memory so a later
-// call drops the stale entry. No call after the first waits for the GPU.
+// How the cache works (docs/GPU.md): a weight is keyed on (device, dtype, values and meta
+// addresses, K, N). Its first call fingerprints values+meta, validates meta (both wait for the
+// stream) and compresses it into cuSPARSELt's operand. Later calls fingerprint it again on the
+// device and run the cached operand; a kernel after the matmul recomputes y from values/meta if
+// the fingerprint differs (the weight changed in place), and the fingerprint is copied to pinned
+// memory so a later call drops the stale entry. No call after the first waits for the GPU.
 #ifndef TF_SPARSE24_CC_SPARSE24_GPU_MATMUL_H_
 #define TF_SPARSE24_CC_SPARSE24_GPU_MATMUL_H_
 
@@ -45,7 +46,8 @@ struct Status {
 // the stream is only reused by work queued later on it (cudaMallocAsync/cudaFreeAsync are).
 using DeviceBuffer = std::shared_ptr<void>;
 using Allocator = std::function<Status(size_t bytes, DeviceBuffer* out)>;
-// Where log lines go; `key` identifies the message, for callers that log each key once.
+// Where log lines go; `key` identifies the message, for callers that log each key once. Called
+// from any thread that runs SparseMatMul, possibly at the same time.
 using Logger = std::function<void(const std::string& key, const std::string& message)>;
 
 // W [K, N] -> values, meta (format.compress), then waits for the stream: InvalidArgument naming the
@@ -86,22 +88,28 @@ class SparseMatMul {
   SparseMatMul(const SparseMatMul&) = delete;
   SparseMatMul& operator=(const SparseMatMul&) = delete;
 
-  // y = x @ W on `stream`: cuSPARSELt (float16/bfloat16, K and N multiples of 16) or the plain
-  // kernel, which validates meta on every call.
+  // Up to this many rows of x, the fallback runs the plain kernel (it reads the compressed
+  // weight: memory-bound work); above, a dense cuBLAS matmul on the decompressed weight.
+  static constexpr int64_t kPlainMaxRows = 8;
+
+  // y = x @ W on `stream`: cuSPARSELt (float16/bfloat16, K and N multiples of 16, accepted by the
+  // library) with the cached operand; anything else is the fallback, which validates meta on every
+  // call and runs the plain kernel or cuBLAS on the decompressed weight (kPlainMaxRows).
   Status run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
 
   struct Stats {
     size_t cached_weights = 0;
     int compressions = 0;  // weights (re)compressed into cuSPARSELt's operand
-    int plain_calls = 0;   // calls run by the plain kernel
+    int plain_calls = 0;   // fallback calls run by the plain kernel
+    int dense_calls = 0;   // fallback calls run by cuBLAS on the decompressed weight
   };
   Stats stats();
 
  private:
   struct CachedWeight;
-  using PlanKey = std::tuple<int, int64_t, int64_t, int64_t>;  // device, M padded, K, N
+  using PlanKey = std::tuple<int, DType, int64_t, int64_t, int64_t>;  // device, dtype, M pad, K, N
 
-  Status run_plain(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
+  Status run_fallback(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
   Status run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
   Status operand(LtContext* lt, int device, const MatMulArgs& a, const Allocator& alloc,
                  cudaStream_t stream, CachedWeight** out, bool* verify);
@@ -113,7 +121,7 @@ class SparseMatMul {
   std::map<PlanKey, std::unique_ptr<LtMatmulPlan>> plans_;
   std::set<PlanKey> refused_;
   int compressions_ = 0;
-  std::atomic<int> plain_calls_{0};
+  std::atomic<int> plain_calls_{0}, dense_calls_{0};
 };
 
 }  // namespace gpu
