@@ -48,7 +48,7 @@ CUSPARSELT_SYMBOLS = [
     "cusparseLtSpMMACompressedSize2",
     "cusparseLtSpMMACompress2",
 ]
-CUBLAS_SYMBOLS = ["cublasCreate_v2", "cublasSetStream_v2", "cublasGemmEx"]
+CUBLAS_SYMBOLS = ["cublasCreate_v2", "cublasSetStream_v2", "cublasSetMathMode", "cublasGemmEx"]
 
 
 @pytest.fixture(scope="module")

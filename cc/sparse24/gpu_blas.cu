@@ -1,7 +1,7 @@
 // cuBLAS through dlopen (see gpu_blas.h). Host code only. Declarations from the cuBLAS
 // documentation; values as in cublas_api.h / library_types.h: CUBLAS_OP_N = 0,
 // CUBLAS_COMPUTE_32F = 68, CUBLAS_GEMM_DEFAULT = -1, CUDA_R_32F = 0, CUDA_R_16F = 2,
-// CUDA_R_16BF = 14.
+// CUDA_R_16BF = 14, CUBLAS_DEFAULT_MATH = 0, CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION = 16.
 #include "cc/sparse24/gpu_blas.h"
 
 #include <map>
@@ -14,10 +14,14 @@ namespace gpu {
 namespace {
 
 using Handle = void*;
+// CUBLAS_DEFAULT_MATH (no TF32) | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION: split-K
+// partial sums stay float32 for 16-bit outputs too.
+constexpr int kMathMode = 16;
 
 struct Cublas {
   int (*Create)(Handle*) = nullptr;
   int (*SetStream)(Handle, cudaStream_t) = nullptr;
+  int (*SetMathMode)(Handle, int) = nullptr;
   int (*GemmEx)(Handle, int, int, int, int, int, const void*, const void*, int, int, const void*,
                 int, int, const void*, void*, int, int, int, int) = nullptr;
   std::string where;  // the file loaded, or why none was
@@ -38,6 +42,7 @@ const Cublas& cublas() {
     std::string missing;
     bind_symbol(lib, "cublasCreate_v2", &c->Create, &missing);
     bind_symbol(lib, "cublasSetStream_v2", &c->SetStream, &missing);
+    bind_symbol(lib, "cublasSetMathMode", &c->SetMathMode, &missing);
     bind_symbol(lib, "cublasGemmEx", &c->GemmEx, &missing);
     if (!missing.empty()) {
       c->where = c->where + " lacks " + missing;
@@ -80,6 +85,9 @@ std::string dense_gemm(DType dtype, const void* x, const void* w, int64_t m, int
   }
   if (const int status = c.SetStream(handle, stream); status != 0) {
     return "cublasSetStream returned " + std::to_string(status);
+  }
+  if (const int status = c.SetMathMode(handle, kMathMode); status != 0) {
+    return "cublasSetMathMode returned " + std::to_string(status);
   }
   // Column-major view: y^T [n, m] = w^T [n, k] (w row-major, ld n) @ x^T [k, m] (ld k).
   const float alpha = 1.f, beta = 0.f;

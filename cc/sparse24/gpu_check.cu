@@ -628,6 +628,30 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   CUDA_OK(cudaStreamSynchronize(stream));
 }
 
+// The op's fallback on one shape: cuBLAS on the decompressed weight above kPlainMaxRows rows of
+// x, the plain kernel up to it; y against float64 and the path taken.
+void check_fallback(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t stream) {
+  const std::string shape = fmt("%s M=%ld K=%ld N=%ld", dname(t), (long)M, (long)K, (long)N);
+  if (gpu::lt_unsupported_reason(t, K, N).empty()) die(1, "check_fallback: cuSPARSELt takes " + shape);
+  gpu::SparseMatMul mm([](const std::string&, const std::string&) {}, false);
+  Problem p(t, M, K, N);
+  if (p.compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+  Buf y(M * N * esize(t));
+  CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
+  const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
+  const gpu::Status status = mm.run(args, stream_allocator(stream), stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const Check c = check_product(p, y, M, static_cast<int>(std::min<int64_t>(M, 16)));
+  const bool dense = M > gpu::SparseMatMul::kPlainMaxRows;
+  const gpu::SparseMatMul::Stats stats = mm.stats();
+  verdict(status.ok() && c.bad_outputs == 0 && c.rel_err < tolerance(t) &&
+              stats.dense_calls == (dense ? 1 : 0) && stats.plain_calls == (dense ? 0 : 1),
+          fmt("SparseMatMul fallback (%s) rel err %.2e, unwritten %ld, %s%s",
+              dense ? "cuBLAS on the decompressed weight" : "plain kernel", c.rel_err,
+              (long)c.bad_outputs, stats.dense_calls ? "ran cuBLAS, " : "ran the plain kernel, ",
+              status.message.c_str()) + shape);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Timing: median over `reps` batches of `per` launches each, CUDA events, after warm-up.
 
@@ -934,7 +958,13 @@ int main(int argc, char** argv) {
     }
     cudaStream_t stream;  // outlives each check's SparseMatMul, whose buffers are freed on it
     CUDA_OK(cudaStreamCreate(&stream));
-    for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) check_tf_op_logic(t, stream);
+    for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      check_tf_op_logic(t, stream);
+      check_fallback(t, 3, 20, 12, stream);    // unaligned, plain kernel
+      check_fallback(t, 8, 200, 48, stream);   // K % 16 != 0, up to 8 rows: plain kernel
+      check_fallback(t, 37, 200, 48, stream);  // the same, cuBLAS on the decompressed weight
+    }
+    check_fallback(DType::kFloat32, 64, 1024, 256, stream);
     CUDA_OK(cudaStreamSynchronize(stream));
     CUDA_OK(cudaStreamDestroy(stream));
   }

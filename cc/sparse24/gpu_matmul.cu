@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -165,21 +166,30 @@ Status SparseMatMul::run(const MatMulArgs& a, const Allocator& alloc, cudaStream
 Status SparseMatMul::run_fallback(const MatMulArgs& a, const Allocator& alloc,
                                   cudaStream_t stream) {
   S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
-  std::string where;
-  if (a.m > kPlainMaxRows && load_cublas(&where)) {
-    ++dense_calls_;
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();  // cuBLAS takes int sizes
+  std::string why_plain;
+  if (a.m > kPlainMaxRows && a.m <= kIntMax && a.k <= kIntMax && a.n <= kIntMax &&
+      load_cublas(&why_plain)) {
+    // Any failure here (no memory for the dense weight, a cuBLAS error) leaves nothing queued:
+    // the plain kernel, which needs no extra memory, computes y instead.
     DeviceBuffer w;
-    S24_RETURN_IF_ERROR(allocate(alloc, a.k * a.n * dtype_size(a.dtype), &w));
-    S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
-                                               /*transposed=*/false, w.get(), stream),
-                                    "decompressing the weight"));
-    const std::string error = dense_gemm(a.dtype, a.x, w.get(), a.m, a.k, a.n, a.y, stream);
-    if (error.empty()) return {};
-    return {Status::kInternal, "Sparse24MatMul: " + error};
+    const Status allocated = allocate(alloc, a.k * a.n * dtype_size(a.dtype), &w);
+    if (allocated.ok()) {
+      S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
+                                                 /*transposed=*/false, w.get(), stream),
+                                      "decompressing the weight"));
+      why_plain = dense_gemm(a.dtype, a.x, w.get(), a.m, a.k, a.n, a.y, stream);
+      if (why_plain.empty()) {
+        ++dense_calls_;
+        return {};
+      }
+    } else {
+      why_plain = "no memory for the decompressed weight: " + allocated.message;
+    }
   }
   if (a.m > kPlainMaxRows) {
-    log_("no cuBLAS", "Sparse24MatMul on GPU runs its plain CUDA kernel at every batch size: " +
-                          where);
+    log_("cuBLAS: " + why_plain,
+         "Sparse24MatMul on GPU runs its plain CUDA kernel instead of cuBLAS: " + why_plain);
   }
   ++plain_calls_;
   return cuda_status(spmm_simple(a.dtype, a.x, a.values, a.meta, a.m, a.k, a.n, a.y, stream),
@@ -288,7 +298,7 @@ Status SparseMatMul::run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStr
       refused_.insert(key);
       const std::string shape = "M=" + str(m_pad) + " K=" + str(a.k) + " N=" + str(a.n);
       log_("plan " + shape, "cuSPARSELt does not take " + shape + " (" + error +
-                                "); Sparse24MatMul runs a plain CUDA kernel for it");
+                                "); Sparse24MatMul runs its fallback for it (docs/GPU.md)");
       return {Status::kUnimplemented, error};
     }
     if (plans_.size() >= kMaxPlans) plans_.clear();  // many batch sizes: start over

@@ -78,7 +78,7 @@ bool trust_weight_address_from_env();
 class SparseMatMul {
  public:
   static constexpr size_t kMaxCachedWeights = 8;
-  static constexpr size_t kMaxPlans = 64;  // one per (padded M, K, N, device)
+  static constexpr size_t kMaxPlans = 64;  // one per (device, dtype, padded M, K, N)
 
   // trust_weight_address: a weight seen before at the same buffers is trusted unchanged (no
   // per-call fingerprint): only for weights that never change in place and are never freed while
@@ -94,7 +94,8 @@ class SparseMatMul {
 
   // y = x @ W on `stream`: cuSPARSELt (float16/bfloat16, K and N multiples of 16, accepted by the
   // library) with the cached operand; anything else is the fallback, which validates meta on every
-  // call and runs the plain kernel or cuBLAS on the decompressed weight (kPlainMaxRows).
+  // call and runs the plain kernel or cuBLAS on the decompressed weight (kPlainMaxRows; the plain
+  // kernel also when cuBLAS is missing or fails, or the dense weight does not fit in memory).
   Status run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
 
   struct Stats {
