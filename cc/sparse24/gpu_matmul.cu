@@ -168,8 +168,9 @@ Status SparseMatMul::run_fallback(const MatMulArgs& a, const Allocator& alloc,
   S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();  // cuBLAS takes int sizes
   std::string why_plain;
-  if (a.m > kPlainMaxRows && a.m <= kIntMax && a.k <= kIntMax && a.n <= kIntMax &&
-      load_cublas(&why_plain)) {
+  if (a.m > kPlainMaxRows && (a.m > kIntMax || a.k > kIntMax || a.n > kIntMax)) {
+    why_plain = "a dimension exceeds cuBLAS's int range";
+  } else if (a.m > kPlainMaxRows && load_cublas(&why_plain)) {
     // Any failure here (no memory for the dense weight, a cuBLAS error) leaves nothing queued:
     // the plain kernel, which needs no extra memory, computes y instead.
     DeviceBuffer w;
