@@ -96,7 +96,8 @@ def compile_objects(sources: list[str], out_dir: str, flags: list[str], cxx: str
         return list(pool.map(compile_one, sources))
 
 
-GPU_KERNELS = {f"GPU:{dtype}" for dtype in ("float32", "float16", "bfloat16")}
+OP_DTYPES = ("float32", "float16", "bfloat16")
+GPU_KERNELS = {f"GPU:{dtype}" for dtype in OP_DTYPES}
 
 
 def check_op_library(path: str) -> dict:
@@ -113,5 +114,5 @@ def check_op_library(path: str) -> dict:
     assert report["matmul_error"] < 1e-4, report
     assert "group g=1 (rows k=4..7) of column n=3" in report["bad_input_error"], report
     for op, found in report["kernels"].items():
-        assert {f"CPU:{d}" for d in ("float32", "float16", "bfloat16")} <= set(found), (op, found)
+        assert {f"CPU:{dtype}" for dtype in OP_DTYPES} <= set(found), (op, found)
     return report

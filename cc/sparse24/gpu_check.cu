@@ -241,6 +241,10 @@ struct Problem {
     CUDA_OK(cudaMemcpy(&bad, slot.p, sizeof(bad), cudaMemcpyDeviceToHost));
     return bad;
   }
+  // compress() of the generated 2:4 W, which must not be flagged.
+  void compress_2to4() {
+    if (compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+  }
 };
 
 // ||y - x @ W|| / ||x @ W|| over `rows` of the first `m` rows of y, float64 on the CPU; also counts
@@ -380,9 +384,8 @@ void check_format(DType t, int64_t K, int64_t N) {
   // one value byte changes.
   auto fingerprint = [&](const Buf& v, const Buf& m) {
     Buf sum(sizeof(unsigned long long));
-    CUDA_OK(cudaMemset(sum.p, 0, sum.bytes));
-    CUDA_OK(gpu::fingerprint_add(v.p, v.bytes, 1, sum.get<unsigned long long>(), 0));
-    CUDA_OK(gpu::fingerprint_add(m.p, m.bytes, 2, sum.get<unsigned long long>(), 0));
+    CUDA_OK(gpu::fingerprint_weight(v.p, v.bytes, m.get<uint8_t>(), m.bytes,
+                                    sum.get<unsigned long long>(), 0));
     unsigned long long h;
     CUDA_OK(cudaMemcpy(&h, sum.p, sizeof(h), cudaMemcpyDeviceToHost));
     return h;
@@ -415,7 +418,7 @@ void check_format(DType t, int64_t K, int64_t N) {
 
 void check_matmul(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N) {
   Problem p(t, M, K, N);
-  if (p.compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+  p.compress_2to4();
   const std::string shape = fmt("%s M=%ld K=%ld N=%ld", dname(t), (long)M, (long)K, (long)N);
   const int rows = static_cast<int>(std::min<int64_t>(M, 64));
   Buf y(M * N * esize(t));
@@ -429,9 +432,8 @@ void check_matmul(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N)
   // expected one, and computes it when not.
   {
     Buf fp(sizeof(unsigned long long));
-    CUDA_OK(cudaMemset(fp.p, 0, fp.bytes));
-    CUDA_OK(gpu::fingerprint_add(p.values.p, p.values.bytes, 1, fp.get<unsigned long long>(), 0));
-    CUDA_OK(gpu::fingerprint_add(p.meta.p, p.meta.bytes, 2, fp.get<unsigned long long>(), 0));
+    CUDA_OK(gpu::fingerprint_weight(p.values.p, p.values.bytes, p.meta.get<uint8_t>(),
+                                    p.meta.bytes, fp.get<unsigned long long>(), 0));
     unsigned long long now;
     CUDA_OK(cudaMemcpy(&now, fp.p, sizeof(now), cudaMemcpyDeviceToHost));
     y.poison();
@@ -556,7 +558,7 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   };
   auto fresh = [&] {
     auto q = std::make_unique<Problem>(t, M, K, N);
-    if (q->compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+    q->compress_2to4();
     return q;
   };
   std::unique_ptr<Problem> p = fresh(), other = fresh(), bad = fresh();
@@ -649,7 +651,7 @@ void check_fallback(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t strea
   if (gpu::lt_unsupported_reason(t, K, N).empty()) die(1, "check_fallback: cuSPARSELt takes " + shape);
   gpu::SparseMatMul mm([](const std::string&, const std::string&) {}, false);
   Problem p(t, M, K, N);
-  if (p.compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+  p.compress_2to4();
   Buf y(M * N * esize(t));
   CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
   const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
@@ -745,7 +747,7 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
   std::vector<Buf> ys;
   for (int c = 0; c < copies; ++c) {
     ps.emplace_back(t, m_pad, K, N);
-    if (ps.back().compress() != gpu::kNoError) die(1, "compress flagged a 2:4 input");
+    ps.back().compress_2to4();
     lts.push_back(std::make_unique<LtRunner>(ctx, ps.back(), /*with_plan=*/c == 0));
     ys.emplace_back(m_pad * N * es);
   }
@@ -784,10 +786,9 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
   // Timed before the search below changes copy 0's plan.
   Buf checks(copies * sizeof(unsigned long long));
   auto fingerprint_into = [&](int i) {
-    unsigned long long* slot = checks.get<unsigned long long>() + i;
-    CUDA_OK(cudaMemsetAsync(slot, 0, sizeof(*slot), 0));
-    CUDA_OK(gpu::fingerprint_add(ps[i].values.p, ps[i].values.bytes, 1, slot, 0));
-    CUDA_OK(gpu::fingerprint_add(ps[i].meta.p, ps[i].meta.bytes, 2, slot, 0));
+    CUDA_OK(gpu::fingerprint_weight(ps[i].values.p, ps[i].values.bytes,
+                                    ps[i].meta.get<uint8_t>(), ps[i].meta.bytes,
+                                    checks.get<unsigned long long>() + i, 0));
   };
   for (int i = 0; i < copies; ++i) fingerprint_into(i);
   std::vector<unsigned long long> expected(copies);

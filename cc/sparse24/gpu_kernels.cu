@@ -201,6 +201,16 @@ __global__ void fingerprint_kernel(const uint8_t* __restrict__ data, int64_t byt
   }
 }
 
+// Adds the fingerprint of `bytes` bytes at `data` to *out (launch only).
+void fingerprint_add(const void* data, int64_t bytes, uint64_t salt, unsigned long long* out,
+                     cudaStream_t stream) {
+  if (bytes == 0) return;
+  const bool aligned = reinterpret_cast<uintptr_t>(data) % 4 == 0;
+  const int grid = std::min(kFingerprintMaxBlocks, blocks_for(aligned ? bytes / 4 : bytes));
+  fingerprint_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint8_t*>(data), bytes,
+                                                   aligned, salt, out);
+}
+
 template <typename Bits>
 cudaError_t decompress_typed(const void* values, const uint8_t* meta, int64_t K, int64_t N,
                              bool transposed, void* out, cudaStream_t stream) {
@@ -281,13 +291,13 @@ cudaError_t spmm_simple_unless(DType dtype, const void* x, const void* values, c
   return cudaGetLastError();
 }
 
-cudaError_t fingerprint_add(const void* data, int64_t bytes, uint64_t salt,
-                            unsigned long long* out, cudaStream_t stream) {
-  if (bytes == 0) return cudaSuccess;
-  const bool aligned = reinterpret_cast<uintptr_t>(data) % 4 == 0;
-  const int grid = std::min(kFingerprintMaxBlocks, blocks_for(aligned ? bytes / 4 : bytes));
-  fingerprint_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint8_t*>(data), bytes,
-                                                   aligned, salt, out);
+cudaError_t fingerprint_weight(const void* values, int64_t values_bytes, const uint8_t* meta,
+                               int64_t meta_bytes, unsigned long long* out, cudaStream_t stream) {
+  if (const cudaError_t e = cudaMemsetAsync(out, 0, sizeof(*out), stream); e != cudaSuccess) {
+    return e;
+  }
+  fingerprint_add(values, values_bytes, /*salt=*/1, out, stream);  // own salts: keys never shared
+  fingerprint_add(meta, meta_bytes, /*salt=*/2, out, stream);
   return cudaGetLastError();
 }
 

@@ -50,11 +50,10 @@ cudaError_t spmm_simple_unless(DType dtype, const void* x, const void* values, c
                                const unsigned long long* fingerprint, unsigned long long expected,
                                cudaStream_t stream);
 
-// Order-independent 64-bit fingerprint of `bytes` bytes at `data` *added* to *out (so several
-// buffers can share one sum; zero *out first). Every byte counts, with its position; give each
-// buffer of one sum its own salt in 1..3.
-cudaError_t fingerprint_add(const void* data, int64_t bytes, uint64_t salt,
-                            unsigned long long* out, cudaStream_t stream);
+// *out = a 64-bit fingerprint of a compressed weight's bytes (values, then meta), computed on the
+// device: every byte counts, with its position and buffer. The op's cache key check.
+cudaError_t fingerprint_weight(const void* values, int64_t values_bytes, const uint8_t* meta,
+                               int64_t meta_bytes, unsigned long long* out, cudaStream_t stream);
 
 }  // namespace gpu
 }  // namespace sparse24

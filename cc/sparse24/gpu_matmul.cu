@@ -54,13 +54,11 @@ Status read_back(const unsigned long long* device, unsigned long long* host, int
 size_t values_bytes(const MatMulArgs& a) { return a.n * (a.k / 2) * dtype_size(a.dtype); }
 size_t meta_bytes(const MatMulArgs& a) { return a.n * ((a.k + 7) / 8); }
 
-// Launches the fingerprint of values+meta into *slot (zeroed first).
+// Launches the fingerprint of the call's weight into *slot.
 Status launch_fingerprint(const MatMulArgs& a, unsigned long long* slot, cudaStream_t stream) {
-  S24_RETURN_IF_ERROR(
-      cuda_status(cudaMemsetAsync(slot, 0, sizeof(*slot), stream), "fingerprint"));
-  S24_RETURN_IF_ERROR(
-      cuda_status(fingerprint_add(a.values, values_bytes(a), 1, slot, stream), "fingerprint"));
-  return cuda_status(fingerprint_add(a.meta, meta_bytes(a), 2, slot, stream), "fingerprint");
+  return cuda_status(fingerprint_weight(a.values, values_bytes(a), a.meta, meta_bytes(a), slot,
+                                        stream),
+                     "fingerprint");
 }
 
 }  // namespace
