@@ -534,6 +534,11 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
             fmt("SparseMatMul %s: rel err %.2e, unwritten %ld, ", what.c_str(), c.rel_err,
                 (long)c.bad_outputs) + shape);
   };
+  // float16/bfloat16 weights are cached as cuSPARSELt's operand; float32 goes to the fallback,
+  // which caches the decompressed weight for cuBLAS (more than kPlainMaxRows rows of x) and runs
+  // the plain kernel, uncached, for fewer rows. The same cache logic is checked on either form.
+  const bool lt = gpu::lt_unsupported_reason(t, K, N).empty();
+  int want_plain = 0, want_dense = 0;  // fallback calls made so far, by path
   // One op call on p (y poisoned first, in stream order); checks y unless wait is false.
   auto call = [&](Problem& p, const std::string& what, bool wait = true, int64_t rows = 0) {
     if (rows == 0) rows = M;
@@ -542,19 +547,23 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
     const gpu::Status status = mm.run(args, alloc, stream);
     if (!status.ok()) {
       verdict(false, "SparseMatMul " + what + ": " + status.message + ", " + shape);
-    } else if (wait) {
-      check_y(p, rows, what);
+      return status;
     }
+    if (!lt) ++(rows > gpu::SparseMatMul::kPlainMaxRows ? want_dense : want_plain);
+    if (wait) check_y(p, rows, what);
     return status;
   };
-  auto stats_are = [&](size_t cached, int compressions, int plain, int dense,
-                       const std::string& what) {
+  // `made`: weights put into the cache's form so far (compressed, or decompressed for cuBLAS).
+  auto stats_are = [&](size_t cached, int made, const std::string& what) {
     const gpu::SparseMatMul::Stats s = mm.stats();
+    const int compressions = lt ? made : 0, decompressions = lt ? 0 : made;
     verdict(s.cached_weights == cached && s.compressions == compressions &&
-                s.plain_calls == plain && s.dense_calls == dense,
-            fmt("SparseMatMul %s: %zu cached / %d compressions / %d plain / %d dense calls (want "
-                "%zu / %d / %d / %d), ", what.c_str(), s.cached_weights, s.compressions,
-                s.plain_calls, s.dense_calls, cached, compressions, plain, dense) + shape);
+                s.decompressions == decompressions && s.plain_calls == want_plain &&
+                s.dense_calls == want_dense,
+            fmt("SparseMatMul %s: %zu cached / %d compressions / %d decompressions / %d plain / "
+                "%d dense calls (want %zu / %d / %d / %d / %d), ", what.c_str(),
+                s.cached_weights, s.compressions, s.decompressions, s.plain_calls, s.dense_calls,
+                cached, compressions, decompressions, want_plain, want_dense) + shape);
   };
   auto fresh = [&] {
     auto q = std::make_unique<Problem>(t, M, K, N);
@@ -563,58 +572,57 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   };
   std::unique_ptr<Problem> p = fresh(), other = fresh(), bad = fresh();
   std::vector<std::unique_ptr<Problem>> more;
-  if (!gpu::lt_unsupported_reason(t, K, N).empty()) {  // float32: the fallback, meta every call
-    call(*p, "fallback, cuBLAS on the decompressed weight");
-    stats_are(0, 0, 0, 1, "fallback, dense");
+  call(*p, "first call (cached)");
+  stats_are(1, 1, "first call");
+  if (!lt) {
     verdict(!logs.empty() && logs[0].find("dense cuBLAS matmul") != std::string::npos,
             "SparseMatMul logs the fallback, " + shape);
-    call(*p, "fallback, plain kernel", true, gpu::SparseMatMul::kPlainMaxRows);
-    stats_are(0, 0, 1, 1, "fallback, plain");
+  }
+  call(*p, "cached call");
+  stats_are(1, 1, "cached call");
+  // Changed in place (same buffers): this call must repair y on the device...
+  overwrite_weight(*p, *other);
+  call(*p, "call after an in-place change (repaired)");
+  stats_are(1, 1, "in-place change");
+  // ...and the next one, having seen the fingerprint, makes the cached form again.
+  call(*p, "next call (cached again)");
+  stats_are(1, 2, "cached again");
+  // A call whose predecessor's fingerprint copy has not landed yet (the stream is held by a
+  // spinning kernel): the not-ready event must not fail it, and its y must be right. Needs the
+  // stream-ordered allocator: a cudaFree inside the first call would wait for the spin.
+  if (!g_memory_pools) {
+    out("  [skip] not-ready fingerprint event: this device has no memory pools, %s\n",
+        shape.c_str());
   } else {
-    call(*p, "first call (compress)");
-    stats_are(1, 1, 0, 0, "first call");
-    call(*p, "cached call");
-    stats_are(1, 1, 0, 0, "cached call");
-    // Changed in place (same buffers): this call must repair y on the device...
-    overwrite_weight(*p, *other);
-    call(*p, "call after an in-place change (repaired)");
-    stats_are(1, 1, 0, 0, "in-place change");
-    // ...and the next one, having seen the fingerprint, recompresses.
-    call(*p, "next call (recompressed)");
-    stats_are(1, 2, 0, 0, "recompress");
-    // A call whose predecessor's fingerprint copy has not landed yet (the stream is held by a
-    // spinning kernel): the not-ready event must not fail it, and its y must be right. Needs the
-    // stream-ordered allocator: a cudaFree inside the first call would wait for the spin.
-    if (!g_memory_pools) {
-      out("  [skip] not-ready fingerprint event: this device has no memory pools, %s\n",
-          shape.c_str());
-    } else {
-      spin_kernel<<<1, 1, 0, stream>>>(200);
-      LAUNCH_OK();
-      call(*p, "queued call", /*wait=*/false);
-      call(*p, "call while the previous fingerprint is in flight", /*wait=*/false);
-      const cudaError_t busy = cudaStreamQuery(stream);
-      (void)cudaGetLastError();  // cudaErrorNotReady is recorded as the last error
-      verdict(busy == cudaErrorNotReady,
-              "the spinning kernel still held the stream (the not-ready path ran), " + shape);
-      check_y(*p, M, "call while the previous fingerprint was in flight");
-      const gpu::Status later = call(*p, "the call after that");
-      verdict(later.ok(), "SparseMatMul: a not-ready fingerprint event is not an error, " + shape);
-    }
-    // More weights than the cache holds, p used again just before the last one: least recently
-    // used goes (more[0]), not first inserted (p).
-    const size_t capacity = gpu::SparseMatMul::kMaxCachedWeights;
-    for (size_t i = 0; i < capacity; ++i) {
-      more.push_back(fresh());
-      if (i + 1 == capacity) call(*p, "cached call between new weights");
-      call(*more.back(), fmt("new weight %zu", i + 1));
-    }
-    const int inserted = 2 + static_cast<int>(capacity);
-    stats_are(capacity, inserted, 0, 0, "cache full");
-    call(*p, "recently used weight (kept)");
-    stats_are(capacity, inserted, 0, 0, "recently used weight kept");
-    call(*more[0], "least recently used weight (evicted, recompressed)");
-    stats_are(capacity, inserted + 1, 0, 0, "least recently used weight recompressed");
+    spin_kernel<<<1, 1, 0, stream>>>(200);
+    LAUNCH_OK();
+    call(*p, "queued call", /*wait=*/false);
+    call(*p, "call while the previous fingerprint is in flight", /*wait=*/false);
+    const cudaError_t busy = cudaStreamQuery(stream);
+    (void)cudaGetLastError();  // cudaErrorNotReady is recorded as the last error
+    verdict(busy == cudaErrorNotReady,
+            "the spinning kernel still held the stream (the not-ready path ran), " + shape);
+    check_y(*p, M, "call while the previous fingerprint was in flight");
+    const gpu::Status later = call(*p, "the call after that");
+    verdict(later.ok(), "SparseMatMul: a not-ready fingerprint event is not an error, " + shape);
+  }
+  // More weights than the cache holds, p used again just before the last one: least recently
+  // used goes (more[0]), not first inserted (p).
+  const size_t capacity = gpu::SparseMatMul::kMaxCachedWeights;
+  for (size_t i = 0; i < capacity; ++i) {
+    more.push_back(fresh());
+    if (i + 1 == capacity) call(*p, "cached call between new weights");
+    call(*more.back(), fmt("new weight %zu", i + 1));
+  }
+  const int inserted = 2 + static_cast<int>(capacity);
+  stats_are(capacity, inserted, "cache full");
+  call(*p, "recently used weight (kept)");
+  stats_are(capacity, inserted, "recently used weight kept");
+  call(*more[0], "least recently used weight (evicted, cached again)");
+  stats_are(capacity, inserted + 1, "least recently used weight cached again");
+  if (!lt) {  // few rows: the plain kernel on the stored format, beside the cache
+    call(*p, "fallback, plain kernel", true, gpu::SparseMatMul::kPlainMaxRows);
+    stats_are(capacity, inserted + 1, "fallback, plain kernel");
   }
   // Invalid meta on a new weight (row n=N-1, group g=1): named, before any result.
   const uint8_t invalid = 0x5e;  // byte 0: group 0 at positions (2, 3), group 1 at (1, 1)
@@ -644,8 +652,9 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   CUDA_OK(cudaStreamSynchronize(stream));
 }
 
-// The op's fallback on one shape: cuBLAS on the decompressed weight above kPlainMaxRows rows of
-// x, the plain kernel up to it; y against float64 and the path taken.
+// The op's fallback on one shape, two calls: cuBLAS on the decompressed weight (made on the first
+// call, cached for the second) above kPlainMaxRows rows of x, the plain kernel up to it; each y
+// against float64, and the path taken.
 void check_fallback(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t stream) {
   const std::string shape = fmt("%s M=%ld K=%ld N=%ld", dname(t), (long)M, (long)K, (long)N);
   if (gpu::lt_unsupported_reason(t, K, N).empty()) die(1, "check_fallback: cuSPARSELt takes " + shape);
@@ -653,19 +662,25 @@ void check_fallback(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t strea
   Problem p(t, M, K, N);
   p.compress_2to4();
   Buf y(M * N * esize(t));
-  CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
-  const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
-  const gpu::Status status = mm.run(args, stream_allocator(stream), stream);
-  CUDA_OK(cudaStreamSynchronize(stream));
-  const Check c = check_product(p, y, M, static_cast<int>(std::min<int64_t>(M, 16)));
   const bool dense = M > gpu::SparseMatMul::kPlainMaxRows;
-  const gpu::SparseMatMul::Stats stats = mm.stats();
-  verdict(status.ok() && c.bad_outputs == 0 && c.rel_err < tolerance(t) &&
-              stats.dense_calls == (dense ? 1 : 0) && stats.plain_calls == (dense ? 0 : 1),
-          fmt("SparseMatMul fallback (%s) rel err %.2e, unwritten %ld, %s%s",
-              dense ? "cuBLAS on the decompressed weight" : "plain kernel", c.rel_err,
-              (long)c.bad_outputs, stats.dense_calls ? "ran cuBLAS, " : "ran the plain kernel, ",
-              status.message.c_str()) + shape);
+  for (int call = 1; call <= 2; ++call) {
+    CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
+    const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
+    const gpu::Status status = mm.run(args, stream_allocator(stream), stream);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Check c = check_product(p, y, M, static_cast<int>(std::min<int64_t>(M, 16)));
+    const gpu::SparseMatMul::Stats s = mm.stats();
+    const bool path_ok = dense ? s.dense_calls == call && s.plain_calls == 0 &&
+                                     s.decompressions == 1 && s.cached_weights == 1
+                               : s.plain_calls == call && s.dense_calls == 0 &&
+                                     s.decompressions == 0 && s.cached_weights == 0;
+    verdict(status.ok() && c.bad_outputs == 0 && c.rel_err < tolerance(t) && path_ok,
+            fmt("SparseMatMul fallback call %d (%s) rel err %.2e, unwritten %ld, %d dense / %d "
+                "plain calls, %d decompressions, %zu cached, %s", call,
+                dense ? "cuBLAS on the cached decompressed weight" : "plain kernel", c.rel_err,
+                (long)c.bad_outputs, s.dense_calls, s.plain_calls, s.decompressions,
+                s.cached_weights, status.message.c_str()) + shape);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

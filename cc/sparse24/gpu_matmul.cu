@@ -107,10 +107,10 @@ bool trust_weight_address_from_env() {
   return v != nullptr && std::string(v) == "1";
 }
 
-// One weight's cuSPARSELt operand, and what verifies it on later calls without a host round trip:
-// each call fingerprints values+meta into `check` on the device; a kernel after the matmul
-// recomputes y if that differs from `fingerprint`, and the value is copied to pinned `seen` so a
-// later call drops the stale entry.
+// One cached weight in its form (cuSPARSELt's operand, or the dense W for cuBLAS), and what
+// verifies it on later calls without a host round trip: each call fingerprints values+meta into
+// `check` on the device; a kernel after the matmul recomputes y if that differs from
+// `fingerprint`, and the value is copied to pinned `seen` so a later call drops the stale entry.
 struct SparseMatMul::CachedWeight {
   CachedWeight() = default;
   CachedWeight(const CachedWeight&) = delete;
@@ -122,14 +122,16 @@ struct SparseMatMul::CachedWeight {
     }
     if (seen) cudaFreeHost(seen);
   }
+  Form form = Form::kLtOperand;
   int device = -1;
   DType dtype = DType::kFloat32;
   const void* values = nullptr;
   const void* meta = nullptr;
   int64_t k = 0, n = 0;
   uint64_t fingerprint = 0;
-  DeviceBuffer compressed;  // cuSPARSELt's operand
+  DeviceBuffer compressed;  // kLtOperand: cuSPARSELt's operand
   std::unique_ptr<LtSparseOperand> operand;
+  DeviceBuffer dense;                   // kDense: W [K, N], row-major
   DeviceBuffer check;                   // one uint64 on the device
   unsigned long long* seen = nullptr;   // pinned host copy of the last `check`
   cudaEvent_t seen_ready = nullptr;     // recorded after that copy
@@ -143,7 +145,8 @@ SparseMatMul::~SparseMatMul() = default;
 
 SparseMatMul::Stats SparseMatMul::stats() {
   std::lock_guard<std::mutex> lock(mu_);
-  return {weights_.size(), compressions_, plain_calls_.load(), dense_calls_.load()};
+  return {weights_.size(), compressions_, decompressions_, plain_calls_.load(),
+          dense_calls_.load()};
 }
 
 Status SparseMatMul::run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream) {
@@ -155,55 +158,81 @@ Status SparseMatMul::run(const MatMulArgs& a, const Allocator& alloc, cudaStream
                           "CUDA kernel");
     return run_fallback(a, alloc, stream);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  const Status status = run_lt(a, alloc, stream);
+  Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    status = run_lt(a, alloc, stream);
+  }
   if (status.code == Status::kUnimplemented) return run_fallback(a, alloc, stream);
   return status;
 }
 
 Status SparseMatMul::run_fallback(const MatMulArgs& a, const Allocator& alloc,
                                   cudaStream_t stream) {
-  S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
-  constexpr int64_t kIntMax = std::numeric_limits<int>::max();  // cuBLAS takes int sizes
-  std::string why_plain;
-  if (a.m > kPlainMaxRows && (a.m > kIntMax || a.k > kIntMax || a.n > kIntMax)) {
-    why_plain = "a dimension exceeds cuBLAS's int range";
-  } else if (a.m > kPlainMaxRows && load_cublas(&why_plain)) {
-    // Any failure here (no memory for the dense weight, a cuBLAS error) leaves nothing queued:
-    // the plain kernel, which needs no extra memory, computes y instead.
-    DeviceBuffer w;
-    const Status allocated = allocate(alloc, a.k * a.n * dtype_size(a.dtype), &w);
-    if (allocated.ok()) {
-      S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
-                                                 /*transposed=*/false, w.get(), stream),
-                                      "decompressing the weight"));
-      why_plain = dense_gemm(a.dtype, a.x, w.get(), a.m, a.k, a.n, a.y, stream);
-      if (why_plain.empty()) {
-        ++dense_calls_;
-        return {};
-      }
-    } else {
-      why_plain = "no memory for the decompressed weight: " + allocated.message;
-    }
-  }
   if (a.m > kPlainMaxRows) {
+    std::string why_plain;
+    S24_RETURN_IF_ERROR(run_dense(a, alloc, stream, &why_plain));
+    if (why_plain.empty()) return {};
     log_("cuBLAS: " + why_plain,
          "Sparse24MatMul on GPU runs its plain CUDA kernel instead of cuBLAS: " + why_plain);
   }
+  S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
   ++plain_calls_;
   return cuda_status(spmm_simple(a.dtype, a.x, a.values, a.meta, a.m, a.k, a.n, a.y, stream),
                      "Sparse24MatMul plain kernel");
 }
 
-// The cached operand for this weight, (re)compressed if new or known to have changed. On a hit
-// (unless trusted) this call's fingerprint is launched into (*out)->check and *verify is set: the
-// caller must then run the repair kernel after the matmul. Holds mu_.
-Status SparseMatMul::operand(LtContext* lt, int device, const MatMulArgs& a,
-                             const Allocator& alloc, cudaStream_t stream, CachedWeight** out,
-                             bool* verify) {
+// cuBLAS on the cached decompressed weight. When cuBLAS cannot run it (missing, failing, no
+// memory for the dense weight, a dimension beyond its int range), sets *why_not and leaves y to
+// the caller's plain kernel; a returned error is final.
+Status SparseMatMul::run_dense(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream,
+                               std::string* why_not) {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();  // cuBLAS takes int sizes
+  if (a.m > kIntMax || a.k > kIntMax || a.n > kIntMax) {
+    *why_not = "a dimension exceeds cuBLAS's int range";
+    return {};
+  }
+  if (!load_cublas(why_not)) return {};
+  why_not->clear();  // it named the library loaded
+  std::lock_guard<std::mutex> lock(mu_);
+  const MakeForm make = [&](CachedWeight* w) -> Status {
+    const Status allocated = allocate(alloc, a.k * a.n * dtype_size(a.dtype), &w->dense);
+    if (!allocated.ok()) {
+      return {Status::kResourceExhausted,
+              "no memory for the decompressed weight: " + allocated.message};
+    }
+    S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
+                                               /*transposed=*/false, w->dense.get(), stream),
+                                    "decompressing the weight"));
+    ++decompressions_;
+    return {};
+  };
+  CachedWeight* weight = nullptr;
+  bool verify = false;
+  const Status status = cached(Form::kDense, a, alloc, stream, make, &weight, &verify);
+  if (status.code == Status::kResourceExhausted) {
+    *why_not = status.message;
+    return {};
+  }
+  S24_RETURN_IF_ERROR(status);
+  *why_not = dense_gemm(a.dtype, a.x, weight->dense.get(), a.m, a.k, a.n, a.y, stream);
+  if (!why_not->empty()) return {};
+  ++dense_calls_;
+  return verify ? queue_repair(weight, a, stream) : Status{};
+}
+
+// This weight's cached `form`, made by `make` if new or known to have changed in place, after the
+// weight is fingerprinted and its meta validated (both wait for the stream). On a hit (unless
+// trusted) this call's fingerprint is launched into (*out)->check and *verify is set: the caller
+// must then queue_repair after its matmul. Holds mu_.
+Status SparseMatMul::cached(Form form, const MatMulArgs& a, const Allocator& alloc,
+                            cudaStream_t stream, const MakeForm& make, CachedWeight** out,
+                            bool* verify) {
+  int device = 0;
+  S24_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
   auto it = std::find_if(weights_.begin(), weights_.end(), [&](const CachedWeight& w) {
-    return w.device == device && w.dtype == a.dtype && w.values == a.values &&
-           w.meta == a.meta && w.k == a.k && w.n == a.n;
+    return w.form == form && w.device == device && w.dtype == a.dtype &&
+           w.values == a.values && w.meta == a.meta && w.k == a.k && w.n == a.n;
   });
   *verify = false;
   if (it != weights_.end() && !trust_ && it->seen_pending) {
@@ -215,7 +244,7 @@ Status SparseMatMul::operand(LtContext* lt, int device, const MatMulArgs& a,
     } else {
       S24_RETURN_IF_ERROR(cuda_status(state, "checking a cached weight"));
       it->seen_pending = false;
-      if (*it->seen != it->fingerprint) {  // changed in place since it was compressed
+      if (*it->seen != it->fingerprint) {  // changed in place since it was cached
         weights_.erase(it);
         it = weights_.end();
       }
@@ -230,29 +259,15 @@ Status SparseMatMul::operand(LtContext* lt, int device, const MatMulArgs& a,
     *verify = true;
     return {};
   }
-  // New weight (or changed): fingerprint it and validate meta (both wait), then compress.
   DeviceBuffer slot;
   S24_RETURN_IF_ERROR(allocate(alloc, sizeof(unsigned long long), &slot));
   S24_RETURN_IF_ERROR(launch_fingerprint(a, slots_of(slot), stream));
   unsigned long long fingerprint;
   S24_RETURN_IF_ERROR(read_back(slots_of(slot), &fingerprint, 1, stream));
   S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
-  auto lt_operand = std::make_unique<LtSparseOperand>();
-  std::string error = lt_operand->init(lt, a.dtype, a.k, a.n);
-  if (!error.empty()) return {Status::kUnimplemented, error};
-  DeviceBuffer wt, scratch, compressed, check;
-  S24_RETURN_IF_ERROR(allocate(alloc, a.n * a.k * dtype_size(a.dtype), &wt));
-  S24_RETURN_IF_ERROR(allocate(alloc, lt_operand->scratch_bytes(), &scratch));
-  S24_RETURN_IF_ERROR(allocate(alloc, lt_operand->compressed_bytes(), &compressed));
-  S24_RETURN_IF_ERROR(allocate(alloc, sizeof(unsigned long long), &check));
-  S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
-                                             /*transposed=*/true, wt.get(), stream),
-                                  "expanding the weight for cuSPARSELt"));
-  error = lt_operand->compress(wt.get(), compressed.get(), scratch.get(), stream);
-  if (!error.empty()) return {Status::kInternal, "Sparse24MatMul: " + error};
-  ++compressions_;
-  weights_.emplace_front();
-  CachedWeight& entry = weights_.front();
+  std::list<CachedWeight> fresh(1);  // joins weights_ once complete
+  CachedWeight& entry = fresh.front();
+  entry.form = form;
   entry.device = device;
   entry.dtype = a.dtype;
   entry.values = a.values;
@@ -260,22 +275,35 @@ Status SparseMatMul::operand(LtContext* lt, int device, const MatMulArgs& a,
   entry.k = a.k;
   entry.n = a.n;
   entry.fingerprint = fingerprint;
-  entry.compressed = std::move(compressed);
-  entry.operand = std::move(lt_operand);
-  entry.check = std::move(check);
-  Status status = cuda_status(cudaHostAlloc(reinterpret_cast<void**>(&entry.seen),
-                                            sizeof(*entry.seen), cudaHostAllocDefault),
-                              "allocating a pinned fingerprint slot");
-  if (status.ok()) {
-    status = cuda_status(cudaEventCreateWithFlags(&entry.seen_ready, cudaEventDisableTiming),
-                         "creating a fingerprint event");
-  }
-  if (!status.ok()) {
-    weights_.pop_front();
-    return status;
-  }
+  S24_RETURN_IF_ERROR(make(&entry));
+  S24_RETURN_IF_ERROR(allocate(alloc, sizeof(unsigned long long), &entry.check));
+  S24_RETURN_IF_ERROR(cuda_status(cudaHostAlloc(reinterpret_cast<void**>(&entry.seen),
+                                                sizeof(*entry.seen), cudaHostAllocDefault),
+                                  "allocating a pinned fingerprint slot"));
+  S24_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(&entry.seen_ready,
+                                                           cudaEventDisableTiming),
+                                  "creating a fingerprint event"));
+  weights_.splice(weights_.begin(), fresh);
   if (weights_.size() > kMaxCachedWeights) weights_.pop_back();
   *out = &weights_.front();
+  return {};
+}
+
+// After a cached weight's matmul: recomputes y from values/meta on the device if this call's
+// fingerprint differs from the cached one, and copies the fingerprint to `seen`. Holds mu_.
+Status SparseMatMul::queue_repair(CachedWeight* weight, const MatMulArgs& a,
+                                  cudaStream_t stream) {
+  unsigned long long* check = slots_of(weight->check);
+  S24_RETURN_IF_ERROR(cuda_status(
+      spmm_simple_unless(a.dtype, a.x, a.values, a.meta, a.m, a.k, a.n, a.y, check,
+                         weight->fingerprint, stream),
+      "Sparse24MatMul repair kernel"));
+  S24_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(weight->seen, check, sizeof(*weight->seen),
+                                                  cudaMemcpyDeviceToHost, stream),
+                                  "reading the fingerprint"));
+  S24_RETURN_IF_ERROR(cuda_status(cudaEventRecord(weight->seen_ready, stream),
+                                  "recording the fingerprint event"));
+  weight->seen_pending = true;
   return {};
 }
 
@@ -303,9 +331,27 @@ Status SparseMatMul::run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStr
     if (plans_.size() >= kMaxPlans) plans_.clear();  // many batch sizes: start over
     plan_it = plans_.emplace(key, std::move(plan)).first;
   }
+  const MakeForm make = [&](CachedWeight* w) -> Status {
+    auto lt_operand = std::make_unique<LtSparseOperand>();
+    std::string init_error = lt_operand->init(lt, a.dtype, a.k, a.n);
+    if (!init_error.empty()) return {Status::kUnimplemented, init_error};
+    DeviceBuffer wt, scratch;
+    S24_RETURN_IF_ERROR(allocate(alloc, a.n * a.k * dtype_size(a.dtype), &wt));
+    S24_RETURN_IF_ERROR(allocate(alloc, lt_operand->scratch_bytes(), &scratch));
+    S24_RETURN_IF_ERROR(allocate(alloc, lt_operand->compressed_bytes(), &w->compressed));
+    S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
+                                               /*transposed=*/true, wt.get(), stream),
+                                    "expanding the weight for cuSPARSELt"));
+    const std::string compress_error =
+        lt_operand->compress(wt.get(), w->compressed.get(), scratch.get(), stream);
+    if (!compress_error.empty()) return {Status::kInternal, "Sparse24MatMul: " + compress_error};
+    w->operand = std::move(lt_operand);
+    ++compressions_;
+    return {};
+  };
   CachedWeight* weight = nullptr;
   bool verify = false;
-  S24_RETURN_IF_ERROR(operand(lt, device, a, alloc, stream, &weight, &verify));
+  S24_RETURN_IF_ERROR(cached(Form::kLtOperand, a, alloc, stream, make, &weight, &verify));
 
   const size_t es = dtype_size(a.dtype);
   const void* x = a.x;
@@ -330,20 +376,8 @@ Status SparseMatMul::run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStr
     S24_RETURN_IF_ERROR(cuda_status(
         cudaMemcpyAsync(a.y, y, a.m * a.n * es, cudaMemcpyDeviceToDevice, stream), "unpadding y"));
   }
-  if (verify) {  // the weight may have changed in place since it was compressed: repair y here
-    unsigned long long* check = slots_of(weight->check);
-    S24_RETURN_IF_ERROR(cuda_status(
-        spmm_simple_unless(a.dtype, a.x, a.values, a.meta, a.m, a.k, a.n, a.y, check,
-                           weight->fingerprint, stream),
-        "Sparse24MatMul repair kernel"));
-    S24_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(weight->seen, check, sizeof(*weight->seen),
-                                                    cudaMemcpyDeviceToHost, stream),
-                                    "reading the fingerprint"));
-    S24_RETURN_IF_ERROR(cuda_status(cudaEventRecord(weight->seen_ready, stream),
-                                    "recording the fingerprint event"));
-    weight->seen_pending = true;
-  }
-  return {};
+  // The weight may have changed in place since it was compressed: repair y on the device.
+  return verify ? queue_repair(weight, a, stream) : Status{};
 }
 
 }  // namespace gpu

@@ -5,12 +5,14 @@
 // stream; gpu_check drives the same code with stream-ordered cudaMallocAsync, so the cache is
 // checked on a GPU without TensorFlow.
 //
-// How the cache works (docs/GPU.md): a weight is keyed on (device, dtype, values and meta
-// addresses, K, N). Its first call fingerprints values+meta, validates meta (both wait for the
-// stream) and compresses it into cuSPARSELt's operand. Later calls fingerprint it again on the
-// device and run the cached operand; a kernel after the matmul recomputes y from values/meta if
-// the fingerprint differs (the weight changed in place), and the fingerprint is copied to pinned
-// memory so a later call drops the stale entry. No call after the first waits for the GPU.
+// How the cache works (docs/GPU.md): a weight is kept in the form its path needs (cuSPARSELt's
+// compressed operand, or for the cuBLAS fallback the decompressed W), keyed on (form, device,
+// dtype, values and meta addresses, K, N). Its first call fingerprints values+meta, validates meta
+// (both wait for the stream) and makes that form. Later calls fingerprint it again on the device
+// and run the cached form; a kernel after the matmul recomputes y from values/meta if the
+// fingerprint differs (the weight changed in place), and the fingerprint is copied to pinned
+// memory so a later call drops the stale entry. No call after the first waits for the GPU (the
+// plain kernel for up to kPlainMaxRows rows of x has no cache and validates meta every call).
 #ifndef TF_SPARSE24_CC_SPARSE24_GPU_MATMUL_H_
 #define TF_SPARSE24_CC_SPARSE24_GPU_MATMUL_H_
 
@@ -73,8 +75,8 @@ struct MatMulArgs {
 // TF_SPARSE24_GPU_TRUST_WEIGHT_ADDRESS=1: see SparseMatMul.
 bool trust_weight_address_from_env();
 
-// Sparse24MatMul's GPU state: cuSPARSELt plans and up to kMaxCachedWeights compressed weights,
-// most recently used kept. Thread-safe (one mutex); one per TF kernel instance.
+// Sparse24MatMul's GPU state: cuSPARSELt plans and up to kMaxCachedWeights cached weights (either
+// form), most recently used kept. Thread-safe (one mutex); one per TF kernel instance.
 class SparseMatMul {
  public:
   static constexpr size_t kMaxCachedWeights = 8;
@@ -93,27 +95,34 @@ class SparseMatMul {
   static constexpr int64_t kPlainMaxRows = 8;
 
   // y = x @ W on `stream`: cuSPARSELt (float16/bfloat16, K and N multiples of 16, accepted by the
-  // library) with the cached operand; anything else is the fallback, which validates meta on every
-  // call and runs the plain kernel or cuBLAS on the decompressed weight (kPlainMaxRows; the plain
-  // kernel also when cuBLAS is missing or fails, or the dense weight does not fit in memory).
+  // library) with the cached operand; anything else is the fallback: cuBLAS on the cached
+  // decompressed weight above kPlainMaxRows rows of x, else the plain kernel, which validates meta
+  // on every call (also when cuBLAS is missing or fails, or the dense weight does not fit).
   Status run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
 
   struct Stats {
     size_t cached_weights = 0;
-    int compressions = 0;  // weights (re)compressed into cuSPARSELt's operand
-    int plain_calls = 0;   // fallback calls run by the plain kernel
-    int dense_calls = 0;   // fallback calls run by cuBLAS on the decompressed weight
+    int compressions = 0;    // weights (re)compressed into cuSPARSELt's operand
+    int decompressions = 0;  // weights (re)decompressed into the cuBLAS fallback's dense copy
+    int plain_calls = 0;     // fallback calls run by the plain kernel
+    int dense_calls = 0;     // fallback calls run by cuBLAS on the decompressed weight
   };
   Stats stats();
 
  private:
   struct CachedWeight;
+  enum class Form { kLtOperand, kDense };
   using PlanKey = std::tuple<int, DType, int64_t, int64_t, int64_t>;  // device, dtype, M pad, K, N
+  // Makes a new entry's form (its buffers) once the weight has been fingerprinted and validated.
+  using MakeForm = std::function<Status(CachedWeight*)>;
 
   Status run_fallback(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
+  Status run_dense(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream,
+                   std::string* why_not);
   Status run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
-  Status operand(LtContext* lt, int device, const MatMulArgs& a, const Allocator& alloc,
-                 cudaStream_t stream, CachedWeight** out, bool* verify);
+  Status cached(Form form, const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream,
+                const MakeForm& make, CachedWeight** out, bool* verify);
+  Status queue_repair(CachedWeight* weight, const MatMulArgs& a, cudaStream_t stream);
 
   Logger log_;
   bool trust_;
@@ -121,7 +130,7 @@ class SparseMatMul {
   std::list<CachedWeight> weights_;  // most recently used first
   std::map<PlanKey, std::unique_ptr<LtMatmulPlan>> plans_;
   std::set<PlanKey> refused_;
-  int compressions_ = 0;
+  int compressions_ = 0, decompressions_ = 0;
   std::atomic<int> plain_calls_{0}, dense_calls_{0};
 };
 
