@@ -681,6 +681,31 @@ void check_fallback(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t strea
                 (long)c.bad_outputs, s.dense_calls, s.plain_calls, s.decompressions,
                 s.cached_weights, status.message.c_str()) + shape);
   }
+  if (!dense) return;
+  // No memory for the dense weight (an allocator refusing that size): the plain kernel computes y.
+  const size_t dense_bytes = K * N * esize(t);
+  const gpu::Allocator full = stream_allocator(stream);
+  const gpu::Allocator tight = [&](size_t bytes, gpu::DeviceBuffer* out) -> gpu::Status {
+    if (bytes >= dense_bytes) return {gpu::Status::kResourceExhausted, "refused by the harness"};
+    return full(bytes, out);
+  };
+  std::vector<std::string> logs;
+  gpu::SparseMatMul tight_mm([&](const std::string&, const std::string& m) { logs.push_back(m); },
+                             false);
+  CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
+  const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
+  const gpu::Status status = tight_mm.run(args, tight, stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const Check c = check_product(p, y, M, static_cast<int>(std::min<int64_t>(M, 16)));
+  const gpu::SparseMatMul::Stats s = tight_mm.stats();
+  const bool logged = !logs.empty() &&
+                      logs.back().find("no memory for the decompressed weight") != std::string::npos;
+  verdict(status.ok() && c.bad_outputs == 0 && c.rel_err < tolerance(t) && s.plain_calls == 1 &&
+              s.dense_calls == 0 && s.cached_weights == 0 && logged,
+          fmt("SparseMatMul fallback without memory for the dense weight: plain kernel, rel err "
+              "%.2e, unwritten %ld, %d plain calls, %zu cached, logged %d, %s", c.rel_err,
+              (long)c.bad_outputs, s.plain_calls, s.cached_weights, (int)logged,
+              status.message.c_str()) + shape);
 }
 
 // ---------------------------------------------------------------------------------------------

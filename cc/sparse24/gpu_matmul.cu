@@ -170,11 +170,12 @@ Status SparseMatMul::run(const MatMulArgs& a, const Allocator& alloc, cudaStream
 Status SparseMatMul::run_fallback(const MatMulArgs& a, const Allocator& alloc,
                                   cudaStream_t stream) {
   if (a.m > kPlainMaxRows) {
-    std::string why_plain;
-    S24_RETURN_IF_ERROR(run_dense(a, alloc, stream, &why_plain));
-    if (why_plain.empty()) return {};
-    log_("cuBLAS: " + why_plain,
-         "Sparse24MatMul on GPU runs its plain CUDA kernel instead of cuBLAS: " + why_plain);
+    bool ran = false;
+    std::string why_not;
+    S24_RETURN_IF_ERROR(run_dense(a, alloc, stream, &ran, &why_not));
+    if (ran) return {};
+    log_("cuBLAS: " + why_not.substr(0, why_not.find(':')),
+         "Sparse24MatMul on GPU runs its plain CUDA kernel instead of cuBLAS: " + why_not);
   }
   S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
   ++plain_calls_;
@@ -182,24 +183,25 @@ Status SparseMatMul::run_fallback(const MatMulArgs& a, const Allocator& alloc,
                      "Sparse24MatMul plain kernel");
 }
 
-// cuBLAS on the cached decompressed weight. When cuBLAS cannot run it (missing, failing, no
-// memory for the dense weight, a dimension beyond its int range), sets *why_not and leaves y to
-// the caller's plain kernel; a returned error is final.
+// cuBLAS on the cached decompressed weight: *ran when it computed y. When cuBLAS cannot run it
+// (missing, failing, no memory for the dense weight, a dimension beyond its int range) *ran stays
+// false, *why_not says why, and y is left to the caller's plain kernel; a returned error is final.
 Status SparseMatMul::run_dense(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream,
-                               std::string* why_not) {
+                               bool* ran, std::string* why_not) {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();  // cuBLAS takes int sizes
   if (a.m > kIntMax || a.k > kIntMax || a.n > kIntMax) {
     *why_not = "a dimension exceeds cuBLAS's int range";
     return {};
   }
   if (!load_cublas(why_not)) return {};
-  why_not->clear();  // it named the library loaded
   std::lock_guard<std::mutex> lock(mu_);
+  bool no_room = false;  // only the dense weight's own allocation failing sends y to the plain kernel
   const MakeForm make = [&](CachedWeight* w) -> Status {
     const Status allocated = allocate(alloc, a.k * a.n * dtype_size(a.dtype), &w->dense);
     if (!allocated.ok()) {
-      return {Status::kResourceExhausted,
-              "no memory for the decompressed weight: " + allocated.message};
+      no_room = true;
+      *why_not = "no memory for the decompressed weight: " + allocated.message;
+      return allocated;
     }
     S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
                                                /*transposed=*/false, w->dense.get(), stream),
@@ -210,13 +212,14 @@ Status SparseMatMul::run_dense(const MatMulArgs& a, const Allocator& alloc, cuda
   CachedWeight* weight = nullptr;
   bool verify = false;
   const Status status = cached(Form::kDense, a, alloc, stream, make, &weight, &verify);
-  if (status.code == Status::kResourceExhausted) {
-    *why_not = status.message;
-    return {};
-  }
+  if (no_room) return {};
   S24_RETURN_IF_ERROR(status);
   *why_not = dense_gemm(a.dtype, a.x, weight->dense.get(), a.m, a.k, a.n, a.y, stream);
-  if (!why_not->empty()) return {};
+  if (!why_not->empty()) {  // cuBLAS queued nothing: drop the copy it cannot use
+    weights_.remove_if([&](const CachedWeight& w) { return &w == weight; });
+    return {};
+  }
+  *ran = true;
   ++dense_calls_;
   return verify ? queue_repair(weight, a, stream) : Status{};
 }

@@ -117,7 +117,7 @@ class SparseMatMul {
   using MakeForm = std::function<Status(CachedWeight*)>;
 
   Status run_fallback(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
-  Status run_dense(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream,
+  Status run_dense(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream, bool* ran,
                    std::string* why_not);
   Status run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
   Status cached(Form form, const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream,

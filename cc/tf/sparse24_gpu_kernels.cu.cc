@@ -172,7 +172,7 @@ class Sparse24MatMulGpuOp : public OpKernel {
   }
 
  private:
-  gpu::SparseMatMul matmul_;  // cuSPARSELt plans and the cache of compressed weights
+  gpu::SparseMatMul matmul_;  // cuSPARSELt plans and the cache of prepared weights
 };
 
 #define REGISTER_GPU(T)                                                                       \
