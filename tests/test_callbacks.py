@@ -186,6 +186,18 @@ def test_broken_invariant_fails_loudly_with_layer_name():
         model.fit(X, Y, epochs=1, verbose=0, callbacks=[ts.Sparse24Callback()])
 
 
+def test_diverged_weights_are_named_as_nan_not_as_a_broken_mask():
+    model = pruned_mlp()
+    compile_(model, "sgd")
+    pw = ts.pruned_layers(model)[0].pruned_weights[0]
+    pw.variable.assign(np.full(pw.variable.shape, np.nan, "float32"))  # NaN * 0 = NaN
+    callback = ts.Sparse24Callback()
+    callback.set_model(model)
+    callback.on_train_begin()
+    with pytest.raises(RuntimeError, match=r"is not 2:4 .* holds NaN/Inf \(training diverged\)"):
+        callback.on_epoch_end(0, {})
+
+
 def test_callback_is_reusable_and_validates():
     cb = ts.Sparse24Callback()
     first, second = (

@@ -252,3 +252,107 @@ def test_eligible_weights():
     )  # kernel [d, c]
     einsum.build((None, 6, 8))
     assert ts.eligible_weights(einsum) == []
+
+
+@keras.saving.register_keras_serializable(package="test_prune")
+class Block(keras.layers.Layer):
+    """A user layer holding two Dense sublayers (attributes, not a model)."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.fc1 = keras.layers.Dense(units, activation="relu", name="fc1")
+        self.fc2 = keras.layers.Dense(units, name="fc2")
+
+    def build(self, input_shape):
+        self.fc1.build(input_shape)
+        self.fc2.build((*input_shape[:-1], self.units))
+
+    def call(self, x):
+        return self.fc2(self.fc1(x))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def container_model():
+    """Layers that hold the prunable layers inside them: clone_model only sees the containers."""
+    inp = keras.Input((6, 8))
+    h = keras.layers.TimeDistributed(keras.layers.Dense(8, name="inner"), name="td")(inp)
+    h = keras.layers.Bidirectional(
+        keras.layers.LSTM(8, return_sequences=True, name="lstm"), name="bi"
+    )(h)
+    h = Block(8, name="block")(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inp, keras.layers.Dense(4, name="out")(h))
+
+
+CONTAINER_AXES = {
+    "td": {"inner/kernel": 0},
+    "bi": {
+        f"{d}_lstm/lstm_cell/{k}": 0
+        for d in ("forward", "backward")
+        for k in ("kernel", "recurrent_kernel")
+    },
+    "block": {"fc1/kernel": 0, "fc2/kernel": 0},
+    "out": {"kernel": 0},
+}
+
+
+def test_layers_inside_containers_are_pruned_through_the_container(tmp_path):
+    model = container_model()
+    pruned = ts.prune(model)
+    wrapped = {layer.layer.name: layer for layer in ts.pruned_layers(pruned)}
+    assert sorted(wrapped) == ["bi", "block", "out", "td"]
+    assert sorted(pw.name for pw in wrapped["bi"].pruned_weights) == sorted(CONTAINER_AXES["bi"])
+    x = X.repeat(1, axis=0)
+    np.testing.assert_allclose(
+        pruned(x), masked_copy(model, CONTAINER_AXES)(x), rtol=1e-5, atol=1e-6
+    )
+    rows = {r.layer: r for r in ts.report(pruned, print_fn=None)}
+    assert rows["sparse24_bi"].status == "pruned" and rows["sparse24_bi"].valid
+    assert rows["sparse24_bi"].density == 0.5
+    # The containers' wrappers survive a .keras round trip and strip to plain layers.
+    path = str(tmp_path / "containers.keras")
+    pruned.save(path)
+    np.testing.assert_allclose(keras.models.load_model(path)(x), pruned(x), rtol=1e-6)
+    stripped = ts.strip(pruned)
+    assert not ts.pruned_layers(stripped)
+    np.testing.assert_allclose(stripped(x), pruned(x), rtol=1e-5, atol=1e-6)
+
+
+def test_selecting_or_skipping_a_container_covers_its_layers():
+    model = container_model()
+    names = lambda m: sorted(layer.layer.name for layer in ts.pruned_layers(m))
+    assert names(ts.prune(model, layers=["td"])) == ["td"]
+    assert names(ts.prune(model, layers=["forward_lstm"])) == ["bi"]  # by an inner layer's name
+    assert names(ts.prune(model, layers=keras.layers.LSTM)) == ["bi"]  # one selector, no list
+    assert names(ts.prune(model, skip="bi")) == ["block", "out", "td"]
+    only_fc1 = ts.prune(model, layers=["fc1"])
+    (block,) = ts.pruned_layers(only_fc1)
+    assert [pw.name for pw in block.pruned_weights] == ["fc1/kernel"]
+    rows = {r.layer: r for r in ts.report(only_fc1, print_fn=None)}
+    assert rows["out"].status == "not pruned" and "eligible, left dense: kernel" in rows["out"].reason
+
+
+def test_lambda_layers_are_kept_as_they_are():
+    inp = keras.Input((8,))
+    h = keras.layers.Lambda(lambda t: t * 2.0, name="twice")(keras.layers.Dense(8, name="a")(inp))
+    model = keras.Model(inp, keras.layers.Dense(4, name="b")(h))
+    pruned = ts.prune(model)
+    (wa, ba), (wb, bb) = (
+        [np.float64(v) for v in model.get_layer(n).get_weights()] for n in ("a", "b")
+    )
+    x = X[:, 0]
+    masked = lambda w: w * reference_mask(w, 2, 4, 0)
+    reference = (x @ masked(wa) + ba) * 2.0 @ masked(wb) + bb  # float64, from the original
+    np.testing.assert_allclose(pruned(x), reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ts.strip(pruned)(x), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_enabled_layers_are_skipped_with_the_reason():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")])
+    model.layers[0].enable_lora(2)
+    pruned = ts.prune(model)
+    assert not ts.pruned_layers(pruned)
+    (row,) = ts.report(pruned, print_fn=None)
+    assert row.status == "skipped" and "LoRA" in row.reason

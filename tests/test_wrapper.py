@@ -254,3 +254,56 @@ def test_keras_sequence_masks_pass_through_wrappers():
             np.asarray(reference(tokens[row : row + 1, :length]))[0],
             atol=1e-5,
         )
+
+
+def test_stateful_rnn_carries_its_state_like_the_unwrapped_layer():
+    """Keras keeps a stateful RNN's state variables out of `layer.variables`."""
+    def model(wrap):
+        lstm = keras.layers.LSTM(8, stateful=True)
+        return keras.Sequential([keras.Input((6, 8), batch_size=2), wrap(lstm)]), lstm
+    plain, plain_lstm = model(lambda layer: layer)
+    wrapped, lstm = model(Sparse24)
+    (wrapper,) = wrapped.layers
+    wrapper.update_masks()
+    masks = {id(pw.variable): pw.mask.numpy() for pw in wrapper.pruned_weights}
+    for mine, theirs in zip(plain_lstm.weights, lstm.weights):  # plain = the masked weights
+        mine.assign(theirs.numpy() * masks.get(id(theirs), 1.0))
+    outputs = [(np.asarray(plain(SEQ)), np.asarray(wrapped(SEQ))) for _ in range(3)]
+    for expected, got in outputs:
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert np.abs(outputs[1][0] - outputs[0][0]).max() > 1e-3  # the state really moved
+    for a, b in zip(plain_lstm.states, lstm.states):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_regularizers_see_the_effective_weight():
+    """Keras evaluates kernel regularizers on the raw variable, outside the wrapper's scope."""
+    layer = keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.1))
+    wrapper = Sparse24(layer)
+    wrapper(SEQ[:, 0])
+    wrapper.update_masks()
+    (pw,) = wrapper.pruned_weights
+    effective = pw.variable.numpy().astype(np.float64) * pw.mask.numpy()
+    (loss,) = wrapper.losses
+    np.testing.assert_allclose(float(loss), 0.1 * np.sum(effective**2), rtol=1e-5)
+    with tf.GradientTape() as tape:
+        total = tf.add_n(wrapper.losses)
+    grad = tape.gradient(total, pw.variable).numpy()
+    assert np.all(grad[pw.mask.numpy() == 0] == 0)
+    np.testing.assert_allclose(grad, 0.2 * effective, rtol=1e-5, atol=1e-7)
+
+
+def test_lora_enabled_after_wrapping_is_refused_by_name():
+    wrapper = Sparse24(keras.layers.Dense(4, name="proj"))
+    wrapper(SEQ[:, 0])
+    wrapper.layer.enable_lora(2)
+    with pytest.raises(ValueError, match=r"LoRA is enabled on \['proj'\]"):
+        wrapper(SEQ[:, 0])
+
+
+def test_output_shape_is_the_wrapped_layers():
+    wrapper = Sparse24(keras.layers.Dense(4))
+    assert wrapper.compute_output_shape((None, 6, 8)) == (None, 6, 4)
+    inp = keras.Input((6, 8))
+    out = keras.layers.TimeDistributed(Sparse24(keras.layers.Dense(4)))(inp)
+    assert tuple(out.shape) == (None, 6, 4)

@@ -108,10 +108,13 @@ class Sparse24Callback(keras.callbacks.Callback):
                 ok = is_nm_sparse(w, pw.pattern, pw.axis)
                 valid &= ok
                 if self.check and not ok and not warm:
+                    # NaN * 0 is NaN: a diverged optimizer, not a broken mask, breaks the pattern.
+                    diverged = not np.all(np.isfinite(w))
                     raise RuntimeError(
                         f"Sparse24Callback: effective weight {layer.name}/{pw.name} "
                         f"{tuple(pw.variable.shape)} is not {pw.pattern} along axis {pw.axis} "
-                        f"after epoch {epoch}."
+                        f"after epoch {epoch}"
+                        + (": it holds NaN/Inf (training diverged)." if diverged else ".")
                     )
         if logs is not None:
             logs["sparsity"] = zeros / total if total else 0.0

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from tf_sparse24.masks import compute_mask, is_nm_sparse, parse_pattern
-from tf_sparse24.registry import eligible_weights, scan_layer
+from tf_sparse24.registry import eligible_weights, relative_variables, scan_layer
 from tf_sparse24.wrapper import Sparse24
 
 __all__ = [
@@ -79,6 +79,8 @@ def _matches(layer, selectors) -> bool:
 
 
 def _check_selectors(model, selectors, arg: str) -> list:
+    if isinstance(selectors, (str, type, keras.layers.Layer)):  # one selector, not a sequence
+        selectors = [selectors]
     selectors = list(selectors or [])
     names = {layer.name for layer in walk_layers(model)}
     unknown = [s for s in selectors if isinstance(s, str) and s not in names]
@@ -92,11 +94,20 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
     m = parse_pattern(pattern)[1]
     layers = _check_selectors(model, layers, "layers")
     skip = _check_selectors(model, skip, "skip")
+    everything = walk_layers(model)
+
+    def covered(selectors) -> set[int]:  # a selected container covers the layers inside it
+        return {
+            i for layer in everything if _matches(layer, selectors)
+            for i in (id(layer), *map(id, walk_layers(layer)))
+        }
+
+    selected, skipped = covered(layers), covered(skip)
     plan = {}
-    for layer in walk_layers(model):
+    for layer in everything:
         if isinstance(layer, (keras.Model, Sparse24)) or not layer.weights:
             continue
-        if (layers and not _matches(layer, layers)) or _matches(layer, skip):
+        if (layers and id(layer) not in selected) or id(layer) in skipped:
             continue
         eligible, _ = scan_layer(layer, m)
         if eligible:
@@ -111,8 +122,11 @@ def _copy_layer(layer):
     """A fresh instance of `layer` with the same config, build and weights.
 
     Functional graphs also hold stateless operations (`h[:, 0]` becomes a `GetItem` node): those
-    are copied from their config alone.
+    are copied from their config alone. A `Lambda` layer is shared, not copied: it holds no state,
+    and its function does not survive a config round trip.
     """
+    if isinstance(layer, keras.layers.Lambda) and not layer.weights:
+        return layer
     new = layer.__class__.from_config(layer.get_config())
     if isinstance(layer, keras.layers.Layer) and layer.built and layer.weights:
         new.build_from_config(layer.get_build_config())
@@ -163,17 +177,39 @@ def prune(
 
     def clone(layer):
         new = _copy_layer(layer)
-        if id(layer) not in plan:
+        spec = _planned_weights(layer, new, plan)
+        if not spec:
             return new
-        wrapped = wrapper(new, pattern, {p: a for p, (a, _) in plan[id(layer)].items()})
+        wrapped = wrapper(new, pattern, {p: a for p, (a, _) in spec.items()})
         if not isinstance(wrapped, Sparse24):
             raise TypeError(f"prune(): wrapper returned {type(wrapped).__name__}, not a Sparse24.")
         wrapped.build()
         for pw in wrapped.pruned_weights:
-            pw.mask.assign(plan[id(layer)][pw.name][1])
+            pw.mask.assign(spec[pw.name][1])
         return wrapped
 
     return keras.models.clone_model(model, clone_function=clone, recursive=True)
+
+
+def _planned_weights(layer, copy, plan: dict[int, dict]) -> dict[str, tuple]:
+    """`{path relative to copy: (axis, mask)}` for the planned weights of `layer` and of the layers
+    inside it (Bidirectional, TimeDistributed, custom blocks).
+
+    `clone_model` hands over only the layers of the model's graph, so a nested layer is pruned by
+    wrapping its outermost container. The copy's weights are matched by position (its sublayers
+    may have fresh names).
+    """
+    if not isinstance(layer, keras.layers.Layer):  # a stateless op node (GetItem)
+        return {}
+    inner = [] if isinstance(layer, keras.Model) else walk_layers(layer)
+    position = {id(v): i for i, v in enumerate(layer.weights)}
+    copy_paths = {id(v): p for p, v in relative_variables(copy).items()}
+    spec = {}
+    for sub in [layer, *inner]:  # outer first: MultiHeadAttention's table, not its EinsumDenses'
+        for path, planned in plan.get(id(sub), {}).items():
+            variable = relative_variables(sub)[path]
+            spec.setdefault(copy_paths[id(copy.weights[position[id(variable)]])], planned)
+    return spec
 
 
 def _prune_subclassed(model, pattern: str, layers, skip, method: str) -> keras.Model:
@@ -258,11 +294,11 @@ class LayerReport:
 
     layer: str
     kind: str
-    status: str  # "pruned" or "skipped"
+    status: str  # "pruned", "not pruned" (eligible, but not selected or not wrapped), "skipped"
     reason: str
     params: int  # elements of the pruned (or prunable-kind) weights
     nonzeros: int
-    valid: bool | None  # effective weights are N:M (None when skipped)
+    valid: bool | None  # effective weights are N:M (None when not pruned)
 
     @property
     def density(self) -> float:
@@ -270,18 +306,20 @@ class LayerReport:
 
 
 def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -> list[LayerReport]:
-    """Per-layer sparsity table: pruned or skipped (and why), parameters, density, N:M validity.
+    """Per-layer sparsity table: pruned, not pruned (eligible but left dense), or skipped (and
+    why), with parameters, density and N:M validity.
 
     Layers without weights and layers of kinds that are never pruned (e.g. BatchNormalization)
     are left out. Pass `print_fn=None` to only return the rows.
     """
     _check_model(model, "report")
-    rows = []
+    rows, claimed = [], set()  # a weight is reported once (MultiHeadAttention, not its sublayers)
     for layer in walk_layers(model):
         if isinstance(layer, keras.Model):
             continue
         if isinstance(layer, Sparse24):
             effective = [(pw, layer.effective_weight(pw)) for pw in layer.pruned_weights]
+            claimed |= {id(pw.variable) for pw in layer.pruned_weights}
             rows.append(
                 LayerReport(
                     layer=layer.name,
@@ -294,8 +332,18 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
                 )
             )
         elif layer.weights:
-            _, reasons = scan_layer(layer, 4)
-            if reasons:
+            eligible, reasons = scan_layer(layer, 4)
+            dense = [(path, var) for path, var, _ in eligible if id(var) not in claimed]
+            claimed |= {id(var) for _, var in dense}
+            if dense:
+                detail = "eligible, left dense: " + ", ".join(path for path, _ in dense)
+                rows.append(
+                    LayerReport(layer.name, type(layer).__name__, "not pruned",
+                                "; ".join([detail, *reasons]),
+                                sum(int(np.prod(v.shape)) for _, v in dense),
+                                sum(int(np.count_nonzero(v)) for _, v in dense), None)
+                )
+            elif reasons and not eligible:
                 params = sum(int(np.prod(v.shape)) for v in layer.weights if v.ndim >= 2)
                 rows.append(
                     LayerReport(layer.name, type(layer).__name__, "skipped", "; ".join(reasons),

@@ -56,13 +56,30 @@ class PrunableLayer(Protocol):
 
 
 def relative_variables(layer: keras.layers.Layer) -> dict[str, keras.Variable]:
-    """Maps each variable of `layer` to its path relative to the layer ("query/kernel")."""
+    """Maps each variable of `layer` to its path relative to the layer ("query/kernel").
+
+    A variable's path holds the layer's name when it was created inside the layer's name scope;
+    a container built outside it (a copy's `build_from_config`) gives its sublayers' variables
+    paths that are already relative ("forward_lstm/lstm_cell/kernel").
+    """
     out = {}
     for var in layer.variables:
         parts = var.path.split("/")
         owners = [i for i, part in enumerate(parts[:-1]) if part == layer.name]
-        out["/".join(parts[owners[-1] + 1 :]) if owners else var.name] = var
+        out["/".join(parts[owners[-1] + 1 :]) if owners else var.path] = var
     return out
+
+
+def lora_layers(layer: keras.layers.Layer, variables) -> list[str]:
+    """Names of the layers under `layer` (itself included) with LoRA enabled on one of
+    `variables`: the kernel such a layer uses is `kernel + lora_a @ lora_b`, dense whatever the
+    mask on `kernel`."""
+    ids = {id(v) for v in variables}
+    return [
+        sub.name
+        for sub in layer._flatten_layers(include_self=True)
+        if getattr(sub, "lora_enabled", False) and id(getattr(sub, "_kernel", None)) in ids
+    ]
 
 
 def einsum_axis(equation: str, kernel_rank: int) -> int | str:
@@ -144,6 +161,9 @@ def scan_layer(
         ]
     eligible, reasons = [], []
     for path, var, axis in candidates:
+        if lora := lora_layers(layer, [var]):
+            reasons.append(f"{path}: LoRA is enabled on {lora[0]!r} (kernel + lora_a @ lora_b is dense)")
+            continue
         if var.ndim < 2:
             reasons.append(f"{path} has rank {var.ndim}: nothing to group")
             continue

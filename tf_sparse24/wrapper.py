@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_sparse24.masks import compute_mask, parse_pattern
-from tf_sparse24.registry import relative_variables, scan_layer
+from tf_sparse24.registry import lora_layers, relative_variables, scan_layer
 
 
 @dataclasses.dataclass
@@ -31,6 +31,45 @@ class PrunedWeight:
     mask: keras.Variable
     axis: int
     pattern: str
+
+
+class _RecordingScope(keras.StatelessScope):
+    """A `StatelessScope` that remembers every variable the layer assigned inside it.
+
+    `call` writes those back afterwards: RNG seeds, moving statistics, and stateful RNNs' states,
+    which Keras keeps out of `layer.variables`.
+    """
+
+    def __init__(self, state_mapping):
+        super().__init__(state_mapping=state_mapping)
+        self.assigned: dict[int, keras.Variable] = {}
+
+    def add_update(self, update):
+        self.assigned[id(update[0])] = update[0]
+        super().add_update(update)
+
+
+class _MaskedRegularizer:
+    """A pruned variable's own regularizer, applied to the effective weight `variable * mask`.
+
+    Keras evaluates weight regularizers on the raw variable, outside the wrapper's scope; masked,
+    the pruned positions neither add to the loss nor get its gradient (contract 2).
+    """
+
+    def __init__(self, regularizer, mask: keras.Variable):
+        self.regularizer, self.mask = regularizer, mask
+
+    def __call__(self, x):
+        return self.regularizer(x * keras.ops.cast(self.mask, x.dtype))
+
+
+def _check_no_lora(layer: keras.layers.Layer, variables) -> None:
+    if names := lora_layers(layer, variables):
+        raise ValueError(
+            f"Sparse24: LoRA is enabled on {names} inside {layer.name!r}: the kernel it uses, "
+            "kernel + lora_a @ lora_b, is dense, so it cannot be kept 2:4. Prune without LoRA, "
+            "or fine-tune the pruned model without it."
+        )
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse24")
@@ -97,6 +136,9 @@ class Sparse24(keras.layers.Wrapper):
             self.pruned_weights.append(
                 PrunedWeight(path, var, mask, axis % var.ndim, self.pattern)
             )
+            if var.regularizer is not None and not isinstance(var.regularizer, _MaskedRegularizer):
+                var.regularizer = _MaskedRegularizer(var.regularizer, mask)
+        _check_no_lora(self.layer, [pw.variable for pw in self.pruned_weights])
         self.built = True
 
     def __call__(self, *args, **kwargs):
@@ -105,6 +147,14 @@ class Sparse24(keras.layers.Wrapper):
         ):  # multi-input layers (MHA) build from their own call signature
             self.layer(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    # The wrapped layer's own shape logic (Keras would otherwise route compute_output_spec through
+    # a compute_output_shape the inner layer may not implement).
+    def compute_output_shape(self, *args, **kwargs):
+        return self.layer.compute_output_shape(*args, **kwargs)
+
+    def compute_output_spec(self, *args, **kwargs):
+        return self.layer.compute_output_spec(*args, **kwargs)
 
     def compute_mask(self, inputs, previous_mask=None):
         return self.layer.compute_mask(inputs, previous_mask)
@@ -136,16 +186,15 @@ class Sparse24(keras.layers.Wrapper):
             pw.mask.assign(mask)
 
     def call(self, *args, **kwargs):
+        _check_no_lora(self.layer, [pw.variable for pw in self.pruned_weights])
         masked = {
             id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights
         }
         state = [(v, masked.get(id(v), v.value)) for v in self.layer.variables]
-        with keras.StatelessScope(state_mapping=state) as scope:
+        with _RecordingScope(state) as scope:
             outputs = self.layer(*args, **kwargs)
-        for var, value in state:  # forward state updates (RNG seeds, moving statistics)
-            new = scope.get_current_value(var)
-            if new is not value:
-                var.assign(new)
+        for var in scope.assigned.values():  # the layer's own state updates
+            var.assign(scope.get_current_value(var))
         return outputs
 
     def get_config(self):
