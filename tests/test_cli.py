@@ -96,3 +96,20 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["verify", "x", "--mode", "fast"])
     assert e.value.code == 2
+
+
+def test_a_model_that_cannot_be_loaded_is_an_error_line_not_a_traceback(tmp_path, capsys):
+    """load_model raises TypeError for a custom class it cannot locate (its module not imported)."""
+
+    @keras.saving.register_keras_serializable(package="test_cli_gone")
+    class Gone(keras.layers.Dense):
+        pass
+
+    model = keras.Sequential([keras.Input((4,)), Gone(4, name="d")])
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    keras.saving.get_custom_objects().pop("test_cli_gone>Gone")  # as in a process without it
+    assert main(["export", path, str(tmp_path / "out" / "1")]) == 1
+    err = capsys.readouterr().err
+    assert "tf_sparse24 export: error: TypeError: " in err and "test_cli_gone>Gone" in err
+    assert not (tmp_path / "out").exists()

@@ -344,6 +344,36 @@ def test_subclassed_model_needs_and_uses_an_input_signature(tmp_path):
     np.testing.assert_allclose(out["output_0"].numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
 
 
+class DictInputNet(keras.Model):
+    """A subclassed model called with a dict of two inputs."""
+
+    def __init__(self):
+        super().__init__(name="dict_input_net")
+        self.seq = Sparse24(keras.layers.Dense(16, activation="relu", name="seq_proj"))
+        self.ctx = Sparse24(keras.layers.Dense(16, name="ctx_proj"))
+
+    def call(self, inputs):
+        return self.seq(inputs["seq"]) + self.ctx(inputs["ctx"])[:, None, :]
+
+
+def test_subclassed_model_called_with_a_dict_takes_a_dict_signature(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = DictInputNet()
+    x = {"seq": np.random.default_rng(1).random((2, 5, 8), np.float32),
+         "ctx": np.random.default_rng(2).random((2, 12), np.float32)}  # fmt: skip
+    model(x)
+    for layer in tf_sparse24.pruned_layers(model):
+        layer.update_masks()
+    signature = {"seq": tf.TensorSpec([None, 5, 8]), "ctx": tf.TensorSpec([None, 12])}
+    metadata = export(model, tmp_path / "1", mode="accelerated", input_signature=signature)
+    assert metadata["signature"]["input_order"] == ["seq", "ctx"]
+    served = load(tmp_path / "1").signatures["serving_default"](**x)["output_0"]
+    np.testing.assert_allclose(served.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-5)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"]["output_0"] < 1e-4
+    with pytest.raises(ValueError, match="identifier keys"):
+        export(model, tmp_path / "2", input_signature={"not valid": tf.TensorSpec([None, 12])})
+
+
 # --- accelerated: Sparse24MatMul wherever a Dense or matmul-shaped EinsumDense runs ----------
 
 
@@ -608,6 +638,24 @@ def test_bad_arguments(mixed, tmp_path):
     with pytest.raises(ValueError, match=message):
         export(unmasked, tmp_path / "m" / "1")
     assert not (tmp_path / "m").exists()
+    # Failing while writing (here: tracing) removes the parent directories it made.
+    class Broken(keras.layers.Layer):
+        def compute_output_shape(self, shape):  # so only a real call (the export's trace) fails
+            return shape
+
+        def call(self, x):
+            raise RuntimeError("broken layer")
+
+    inp = keras.Input((8,), name="features")
+    broken = keras.Model(inp, Broken()(tiny_model()(inp)))
+    with pytest.raises(RuntimeError, match="broken layer"):
+        export(broken, tmp_path / "deep" / "m" / "1")
+    assert not (tmp_path / "deep").exists()
+    stateful = keras.Sequential([
+        keras.Input((3, 8), batch_size=2), keras.layers.LSTM(4, stateful=True, name="rnn"),
+    ])  # fmt: skip
+    with pytest.raises(ValueError, match=r"stateful RNN layers \['rnn'\]"):
+        export(stateful, tmp_path / "s" / "1")
 
 
 def tiny_model() -> keras.Model:
@@ -630,6 +678,10 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
     export(model, target, overwrite=True)
     assert not (target / "marker").exists()
     assert sorted(os.listdir(tmp_path / "m")) == ["1"]  # the old one is gone, no temp left
+    shutil.rmtree(target)
+    target.write_text("a file where the export goes")
+    export(model, target, overwrite=True)
+    assert sorted(os.listdir(tmp_path / "m")) == ["1"]  # the replaced file is gone too
     x = np.ones((2, 8), np.float32)
     out = load(target).signatures["serving_default"](features=tf.constant(x))
     np.testing.assert_allclose(out["scores"].numpy(), model(x).numpy(), rtol=1e-6)
@@ -693,3 +745,46 @@ def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):
     target = _corrupt_copy(mixed, tmp_path, edit)
     with pytest.raises(ExportError, match=message):
         load(target)
+
+
+def test_signature_names_order_and_precision_survive_verify(tmp_path):
+    """Inputs not in sorted order, output keys that map to one identifier, and mixed precision
+    with a float32 head: served like the Keras model, and `verify --against` agrees."""
+    keras.utils.set_random_seed(0)
+    zeta, alpha = keras.Input((8,), name="zeta"), keras.Input((4,), name="alpha")
+    h = keras.layers.Dense(8, name="h")(keras.layers.Concatenate()([zeta, alpha]))
+    model = keras.Model(
+        [zeta, alpha], {"a-b": keras.layers.Dense(4, name="p")(h), "a_b": keras.layers.Dense(8, name="q")(h)}
+    )
+    prune_plain_layers(model)
+    metadata = export(model, tmp_path / "io" / "1")
+    assert metadata["signature"]["input_order"] == ["zeta", "alpha"]
+    assert sorted(metadata["signature"]["outputs"]) == ["a_b", "a_b_1"]  # none lost
+    x = {"zeta": tf.ones((2, 8)), "alpha": tf.fill((2, 4), 0.5)}
+    served = load(tmp_path / "io" / "1").signatures["serving_default"](**x)
+    want = model([x["zeta"], x["alpha"]])
+    np.testing.assert_allclose(served["a_b"], want["a-b"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(served["a_b_1"], want["a_b"], rtol=1e-5, atol=1e-6)
+    assert set(verify(tmp_path / "io" / "1", against=model)["max_abs_diff"]) == {"a_b", "a_b_1"}
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(1)
+        inp = keras.Input((64,), name="features")
+        h = keras.layers.Dense(64, activation="relu", name="hidden")(inp)
+        out = keras.layers.Dense(16, dtype="float32", name="logits")(h)
+        mixed = keras.Model(inp, out)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    prune_plain_layers(mixed)
+    export(mixed, tmp_path / "bf16" / "1", mode="accelerated")
+    report = verify(tmp_path / "bf16" / "1", against=mixed)
+    assert report["max_abs_diff"]["logits"] > 0  # bf16 kernels round differently; still passes
+
+    bf16 = keras.Sequential([
+        keras.Input((8,), name="features", dtype="bfloat16"),
+        keras.layers.Dense(4, dtype="bfloat16", name="scores"),
+    ])  # fmt: skip
+    prune_plain_layers(bf16)
+    export(bf16, tmp_path / "bf16_in" / "1")
+    assert "scores" in verify(tmp_path / "bf16_in" / "1", against=bf16)["max_abs_diff"]

@@ -82,7 +82,7 @@ def export(
     export_dir: str | os.PathLike,
     mode: str = "portable",
     overwrite: bool = False,
-    input_signature: list[tf.TensorSpec] | None = None,
+    input_signature: list[tf.TensorSpec] | dict[str, tf.TensorSpec] | None = None,
 ) -> dict[str, Any]:
     """Exports a pruned (or stripped) Keras model as a SavedModel with compressed 2:4 weights.
 
@@ -99,7 +99,8 @@ def export(
         mode: "portable" (stock TF ops only) or "accelerated" (`Sparse24MatMul`, needs the ops).
         overwrite: replace an existing `export_dir` (atomically: the old one is renamed away, the
             new one renamed in, then the old one deleted).
-        input_signature: named `tf.TensorSpec`s of the model's inputs, overriding `model.input`.
+        input_signature: named `tf.TensorSpec`s of the model's inputs, overriding `model.input`;
+            a dict `{name: tf.TensorSpec}` for a (subclassed) model called with a dict.
 
     Returns:
         The metadata written to `assets/sparse24.json`.
@@ -117,7 +118,17 @@ def export(
     if os.path.exists(export_dir) and not overwrite:
         raise FileExistsError(f"{export_dir} exists; pass overwrite=True to replace it")
     model = functional_view(model)
+    stateful = [
+        layer.name for layer in model._flatten_layers(include_self=False)
+        if getattr(layer, "stateful", False)
+    ]
+    if stateful:  # Keras keeps their state variables out of model.variables: nothing to save
+        raise ValueError(
+            f"model {model.name!r} has stateful RNN layers {stateful}: a served signature has no "
+            "state between requests. Export a copy built with stateful=False."
+        )
     specs = _input_specs(model, input_signature)
+    keys = [s.name for s in specs] if isinstance(input_signature, dict) else None
     sparse = _sparse_weights(model)
     if not sparse:
         raise ValueError(
@@ -131,15 +142,24 @@ def export(
         ops.load_library()
 
     parent = os.path.dirname(export_dir)
+    created, missing = [], parent  # the parent directories this call makes, deepest first
+    while not os.path.exists(missing):
+        created.append(missing)
+        missing = os.path.dirname(missing)
     os.makedirs(parent, exist_ok=True)
     # A dot-name that is not a number: TF Serving ignores it while it is being written.
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.tmp-", dir=parent)
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a server user must read it
-        metadata = _write(model, tmp, mode, specs, sparse, ops)
+        metadata = _write(model, tmp, mode, specs, keys, sparse, ops)
         _move_into_place(tmp, export_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for directory in created:  # nothing of a failed export stays behind
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
         raise
     return metadata
 
@@ -302,24 +322,31 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
 
 
 def _dedupe_names(items: list) -> None:
-    seen: dict[str, int] = {}
-    for item in items:
-        count = seen.get(item.name, 0)
-        seen[item.name] = count + 1
-        if count:
-            item.name = f"{item.name}_{count}"
+    for item, name in zip(items, unique_names([item.name for item in items])):
+        item.name = name
 
 
 # --- Building and writing the SavedModel -----------------------------------------------------
 
 
 def _input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
+    if isinstance(input_signature, dict):
+        bad = [k for k in input_signature if not re.fullmatch(r"[A-Za-z_]\w*", str(k))]
+        if bad or not all(isinstance(s, tf.TensorSpec) for s in input_signature.values()):
+            raise ValueError(
+                "a dict input_signature maps identifier keys ([A-Za-z_][A-Za-z0-9_]*) to "
+                f"tf.TensorSpec. Received: {input_signature}"
+            )
+        return [tf.TensorSpec(s.shape, s.dtype, name=k) for k, s in input_signature.items()]
     if input_signature is not None:
         specs = list(input_signature)
         if not all(isinstance(s, tf.TensorSpec) and s.name for s in specs):
             raise ValueError(
                 f"input_signature must be a list of named tf.TensorSpec. Received: {specs}"
             )
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"input_signature names must be unique. Received: {names}")
         return specs
     try:
         inputs = keras.tree.flatten(model.input)
@@ -328,11 +355,25 @@ def _input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
             f"model {model.name!r} has no symbolic inputs (a subclassed or unbuilt model): pass "
             "input_signature=[tf.TensorSpec(shape, dtype, name=...), ...]"
         ) from e
-    return [
-        tf.TensorSpec([None, *t.shape[1:]], t.dtype,
-                      name=_identifier(t.name, "inputs" if len(inputs) == 1 else f"input_{i}"))
-        for i, t in enumerate(inputs)
-    ]
+    names = unique_names(
+        [_identifier(t.name, "inputs" if len(inputs) == 1 else f"input_{i}")
+         for i, t in enumerate(inputs)]
+    )
+    return [tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=n) for t, n in zip(inputs, names)]
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """`names` with a later repeat made unique by a `_<k>` suffix: two keys that map to the same
+    identifier ("a-b" and "a_b") must not share a signature key, or one tensor would be lost."""
+    taken, out = set(names), []
+    seen: set[str] = set()
+    for name in names:
+        new, k = name, 1
+        while new in seen or (new != name and new in taken):
+            new, k = f"{name}_{k}", k + 1
+        seen.add(new)
+        out.append(new)
+    return out
 
 
 def _identifier(name: str | None, default: str) -> str:
@@ -352,7 +393,7 @@ def signature_output_names(model: keras.Model, outputs) -> list[str]:
     exporting keep the names of the original model.
     """
     if isinstance(outputs, dict):
-        return [_identifier(k, f"output_{i}") for i, k in enumerate(sorted(outputs))]
+        return unique_names([_identifier(k, f"output_{i}") for i, k in enumerate(sorted(outputs))])
     flat = keras.tree.flatten(outputs)
     names = list(getattr(model, "output_names", None) or [])
     layers = {layer.name: layer for layer in getattr(model, "layers", [])}
@@ -361,7 +402,7 @@ def signature_output_names(model: keras.Model, outputs) -> list[str]:
     ]
     if len(names) != len(flat) or len(set(names)) != len(names):
         names = [f"output_{i}" for i in range(len(flat))]
-    return [_identifier(n, f"output_{i}") for i, n in enumerate(names)]
+    return unique_names([_identifier(n, f"output_{i}") for i, n in enumerate(names)])
 
 
 class _DenseKernel(tf.saved_model.experimental.TrackableResource):
@@ -506,7 +547,8 @@ def _reachable_ops(tensors) -> set[str]:
     return seen
 
 
-def _serving_function(model, specs, output_names, module, sparse, dense_vars, calls, decompress):
+def _serving_function(model, specs, keys, output_names, module, sparse, dense_vars, calls,
+                      decompress):
     """`serving_default` over the module's variables: `calls[i]` runs sparse weight i with
     `Sparse24MatMul`, every other sparse weight is read from a `_DenseKernel` rebuilt at load.
 
@@ -535,7 +577,7 @@ def _serving_function(model, specs, output_names, module, sparse, dense_vars, ca
                 mapping.append((s.mask, tf.ones(s.mask.shape, s.mask.dtype)))
         mapping += list(zip(dense_vars, (tf.identity(v) for v in module.dense)))
         with keras.StatelessScope(state_mapping=mapping), _calls_replaced(list(calls.values())):
-            structured = pack_inputs(model, list(inputs))
+            structured = pack_inputs(model, list(inputs), keys)
             outputs = model(structured, training=False)
         flat = [outputs[k] for k in sorted(outputs)] if isinstance(outputs, dict) else (
             keras.tree.flatten(outputs)
@@ -547,7 +589,7 @@ def _serving_function(model, specs, output_names, module, sparse, dense_vars, ca
     return tf.function(serve, input_signature=specs, autograph=False), caches, read
 
 
-def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
+def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
     module = tf.Module()
     module.sparse_values = [tf.Variable(s.values, trainable=False) for s in sparse]
     module.sparse_meta = [tf.Variable(s.meta, trainable=False) for s in sparse]
@@ -559,7 +601,7 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
     dense_values = [v.numpy() for v in dense_vars]
     module.dense = [tf.Variable(value, trainable=False) for value in dense_values]
 
-    output_names = signature_output_names(model, _probe_outputs(model, specs))
+    output_names = signature_output_names(model, _probe_outputs(model, specs, keys))
     calls = {}  # index in `sparse` -> its _SparseCall
     if mode == "accelerated":
         for i, s in enumerate(sparse):
@@ -569,7 +611,7 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
     decompress = ops.sparse24_decompress if mode == "accelerated" else portable.decompress
     while True:
         serving, caches, read = _serving_function(
-            model, specs, output_names, module, sparse, dense_vars, calls, decompress
+            model, specs, keys, output_names, module, sparse, dense_vars, calls, decompress
         )
         serving.get_concrete_function()  # traces: fills `read`
         if not read:
@@ -584,7 +626,8 @@ def _write(model, directory, mode, specs, sparse, ops) -> dict[str, Any]:
         for i, s in enumerate(sparse)
     }
 
-    metadata = _metadata(model, mode, specs, serving, sparse, kernel, dense_vars, dense_values)
+    metadata = _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars,
+                         dense_values)
     text = md.dumps(metadata)
     module.metadata = tf.function(lambda: tf.constant(text), input_signature=[])
     asset_dir = tempfile.mkdtemp(prefix=".sparse24-asset-", dir=os.path.dirname(directory))
@@ -613,24 +656,27 @@ def _is_functional(model: keras.Model) -> bool:
         return False
 
 
-def pack_inputs(model: keras.Model, inputs: list[tf.Tensor]):
-    """Arranges flat signature inputs in the structure the model is called with."""
+def pack_inputs(model: keras.Model, inputs: list[tf.Tensor], keys: list[str] | None = None):
+    """Arranges flat signature inputs in the structure the model is called with: a dict by `keys`
+    (a dict input_signature), else `model.input`'s structure, else the tensor or the list."""
+    if keys is not None:
+        return dict(zip(keys, inputs))
     try:
         return keras.tree.pack_sequence_as(model.input, inputs)
     except (AttributeError, ValueError):
         return inputs[0] if len(inputs) == 1 else inputs
 
 
-def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec]):
+def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec], keys: list[str] | None):
     """The model's output structure, from a symbolic call (no computation)."""
     try:
         return model.output
     except (AttributeError, ValueError):
         symbolic = [keras.KerasTensor([1, *s.shape[1:]], s.dtype.name) for s in specs]
-        return model.compute_output_spec(pack_inputs(model, symbolic))
+        return model.compute_output_spec(pack_inputs(model, symbolic, keys))
 
 
-def _metadata(model, mode, specs, serving, sparse, kernel, dense_vars, dense_values) -> dict:
+def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, dense_values) -> dict:
     import tf_sparse24  # noqa: PLC0415
 
     outputs = serving.get_concrete_function().structured_outputs
@@ -661,6 +707,8 @@ def _metadata(model, mode, specs, serving, sparse, kernel, dense_vars, dense_val
         "signature": {
             "name": SIGNATURE,
             "inputs": {s.name: _spec_record(s) for s in specs},
+            "input_order": [s.name for s in specs],  # the JSON's keys are sorted
+            "input_structure": "dict" if keys is not None else "model",
             "outputs": {name: _spec_record(t) for name, t in outputs.items()},
         },
         "sparse": entries,
@@ -692,4 +740,7 @@ def _move_into_place(tmp: str, export_dir: str) -> None:
     except BaseException:
         os.rename(old, export_dir)  # put the previous export back
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old, ignore_errors=True)
+    else:  # overwrite=True replaced a file (or a link) at export_dir
+        os.remove(old)
