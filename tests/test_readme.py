@@ -15,7 +15,7 @@ def test_readme_usage_snippet_runs(tmp_path, monkeypatch):
     with open(README) as f:
         text = f.read()
     section = text[text.index("## Using it"):]
-    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    snippet = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 16)).astype("float32")
     y = rng.integers(0, 4, size=64)
@@ -24,7 +24,7 @@ def test_readme_usage_snippet_runs(tmp_path, monkeypatch):
     )
     monkeypatch.chdir(tmp_path)
     scope = {"model": model, "x": x, "y": y}
-    exec(compile(snippet.replace("epochs=5", "epochs=1"), "README.md", "exec"), scope)
+    exec(compile(snippet.replace("epochs=5", "epochs=1"), "README.md", "exec"), scope)  # noqa: S102
     assert len(ts.pruned_layers(scope["pruned"])) == 2
     assert os.path.exists(tmp_path / "models" / "my_model" / "1" / "assets" / "sparse24.json")
     np.testing.assert_allclose(scope["plain"](x), scope["pruned"](x), rtol=1e-5, atol=1e-5)

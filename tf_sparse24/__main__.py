@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # ExportError is a ValueError; FileExistsError an OSError
         print(f"tf_sparse24 {args.command}: error: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # e.g. load_model's TypeError for a class that is not importable
+    except Exception as e:  # noqa: BLE001  (load_model's TypeError for a class not importable, ...)
         print(f"tf_sparse24 {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
