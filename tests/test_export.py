@@ -28,7 +28,7 @@ from tf_sparse24 import portable
 from tf_sparse24.export import einsum_matmul, export, graph_ops, load, nonstock_ops
 from tf_sparse24.metadata import ExportError
 from tf_sparse24.registry import eligible_weights
-from tf_sparse24.verify import describe, verify
+from tf_sparse24.verify import _input_order, describe, verify
 from tf_sparse24.wrapper import Sparse24
 
 BIN = os.path.dirname(sys.executable)
@@ -766,6 +766,9 @@ def test_signature_names_order_and_precision_survive_verify(tmp_path):
     np.testing.assert_allclose(served["a_b"], want["a-b"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(served["a_b_1"], want["a_b"], rtol=1e-5, atol=1e-6)
     assert set(verify(tmp_path / "io" / "1", against=model)["max_abs_diff"]) == {"a_b", "a_b_1"}
+    # Exports written before `input_order` existed: the order comes from the model's own names.
+    old = {k: v for k, v in metadata["signature"].items() if k != "input_order"}
+    assert _input_order(model, old) == ["zeta", "alpha"]
 
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:

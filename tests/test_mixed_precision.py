@@ -148,3 +148,34 @@ def test_jit_compile_trains_like_graph_mode():
         np.testing.assert_allclose(
             jit_state[key]["effective"], state["effective"], rtol=1e-4, atol=1e-6
         )
+
+
+class PlainLinear(keras.layers.Layer):
+    """A user layer without compute_output_shape: Keras traces its call for the output spec."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 4), name="kernel")
+
+    def call(self, x):
+        return x @ self.kernel
+
+    def get_prunable_weights(self):
+        return [self.kernel]
+
+
+@pytest.mark.parametrize("make", [lambda: keras.layers.Dense(4, dtype="float32"),
+                                  lambda: PlainLinear(dtype="float32")])
+def test_a_float32_layer_under_mixed_precision_keeps_float32_when_wrapped(make):
+    """The wrapper takes the wrapped layer's policy, not the global one (no 16-bit input cast)."""
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype("float32")
+    with global_policy("mixed_float16"):
+        inner = make()
+        wrapper = tf_sparse24.Sparse24(inner)
+        symbolic = wrapper(keras.Input((8,)))
+        assert symbolic.dtype == "float32"
+        wrapper.update_masks()
+        got = np.asarray(wrapper(x))
+    (pw,) = wrapper.pruned_weights
+    want = x.astype(np.float64) @ (pw.variable.numpy() * pw.mask.numpy())  # float32 math
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

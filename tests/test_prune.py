@@ -332,6 +332,71 @@ def test_selecting_or_skipping_a_container_covers_its_layers():
     assert [pw.name for pw in block.pruned_weights] == ["fc1/kernel"]
     rows = {r.layer: r for r in ts.report(only_fc1, print_fn=None)}
     assert rows["out"].status == "not pruned" and "eligible, left dense: kernel" in rows["out"].reason
+    assert rows["fc2"].status == "not pruned"  # inside the wrapped block, left dense
+
+
+def test_skipping_a_sublayer_class_keeps_the_owners_table_off_it():
+    inp = keras.Input((6, 8))
+    h = keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)
+    model = keras.Model(inp, keras.layers.Dense(4, name="out")(h))
+    names = [layer.layer.name for layer in ts.pruned_layers(ts.prune(model, skip=keras.layers.EinsumDense))]
+    assert names == ["out"]
+
+
+class Tower(keras.Model):
+    """A subclassed model used as a layer of a Functional one."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fc = keras.layers.Dense(8, name="tower_fc")
+
+    def call(self, x):
+        return self.fc(x)
+
+
+def test_layers_inside_a_nested_subclassed_model_are_an_error_not_a_silent_skip():
+    inp = keras.Input((8,))
+    model = keras.Model(inp, keras.layers.Dense(4, name="out")(Tower(name="tower")(inp)))
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"cannot reach layers \['tower_fc'\].*subclassed"):
+        ts.prune(model)
+    assert names_of(ts.prune(model, skip=["tower"])) == ["out"]
+    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+
+
+def names_of(model):
+    return [layer.layer.name for layer in ts.pruned_layers(model)]
+
+
+@keras.saving.register_keras_serializable(package="test_prune")
+class LossyBlock(Block):
+    """A block that adds losses: its own add_loss, and an activity regularizer inside."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(units, **kwargs)
+        self.fc2 = keras.layers.Dense(
+            units, name="fc2", activity_regularizer=keras.regularizers.L2(0.5)
+        )
+
+    def call(self, x):
+        h = self.fc1(x)
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(h)))
+        return self.fc2(h)
+
+
+def test_losses_added_inside_a_wrapped_layer_reach_the_model():
+    inp = keras.Input((8,))
+    model = keras.Model(inp, LossyBlock(8, name="block")(inp))
+    pruned = ts.prune(model)
+    assert names_of(pruned) == ["block"]
+    stripped = ts.strip(pruned)  # plain layers holding the effective weights: the reference
+    x = X[:, 0]
+    pruned(x), stripped(x)
+    assert len(pruned.losses) == len(stripped.losses) == 2
+    np.testing.assert_allclose(
+        sorted(float(v) for v in pruned.losses), sorted(float(v) for v in stripped.losses),
+        rtol=1e-5,
+    )
 
 
 def test_lambda_layers_are_kept_as_they_are():

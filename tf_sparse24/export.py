@@ -127,7 +127,7 @@ def export(
             f"model {model.name!r} has stateful RNN layers {stateful}: a served signature has no "
             "state between requests. Export a copy built with stateful=False."
         )
-    specs = _input_specs(model, input_signature)
+    specs = input_specs(model, input_signature)
     keys = [s.name for s in specs] if isinstance(input_signature, dict) else None
     sparse = _sparse_weights(model)
     if not sparse:
@@ -329,7 +329,7 @@ def _dedupe_names(items: list) -> None:
 # --- Building and writing the SavedModel -----------------------------------------------------
 
 
-def _input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
+def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
     if isinstance(input_signature, dict):
         bad = [k for k in input_signature if not re.fullmatch(r"[A-Za-z_]\w*", str(k))]
         if bad or not all(isinstance(s, tf.TensorSpec) for s in input_signature.values()):

@@ -103,6 +103,9 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
         }
 
     selected, skipped = covered(layers), covered(skip)
+    # ...and a skipped layer's weights stay dense also where its owner's table names them
+    # (skip=[EinsumDense] keeps MultiHeadAttention's projections dense).
+    skipped_weights = {id(v) for layer in everything if id(layer) in skipped for v in layer.weights}
     plan = {}
     for layer in everything:
         if isinstance(layer, (keras.Model, Sparse24)) or not layer.weights:
@@ -110,6 +113,7 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
         if (layers and id(layer) not in selected) or id(layer) in skipped:
             continue
         eligible, _ = scan_layer(layer, m)
+        eligible = [(p, v, a) for p, v, a in eligible if id(v) not in skipped_weights]
         if eligible:
             plan[id(layer)] = {
                 path: (axis, compute_mask(var, pattern, axis, method, name=f"{layer.name}/{path}"))
@@ -174,10 +178,11 @@ def prune(
     if not (isinstance(model, keras.Sequential) or _is_functional(model)):
         return _prune_subclassed(model, pattern, layers, skip, method)
     plan = _plan(model, pattern, layers, skip, method)
+    reached = set()
 
     def clone(layer):
         new = _copy_layer(layer)
-        spec = _planned_weights(layer, new, plan)
+        spec = _planned_weights(layer, new, plan, reached)
         if not spec:
             return new
         wrapped = wrapper(new, pattern, {p: a for p, (a, _) in spec.items()})
@@ -188,16 +193,23 @@ def prune(
             pw.mask.assign(spec[pw.name][1])
         return wrapped
 
-    return keras.models.clone_model(model, clone_function=clone, recursive=True)
+    pruned = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    if missed := [layer.name for layer in walk_layers(model) if id(layer) in plan.keys() - reached]:
+        raise ValueError(
+            f"prune(): cannot reach layers {missed} of model {model.name!r}: they sit inside a "
+            "subclassed model, which cannot be rewired from outside. Wrap them in "
+            "tf_sparse24.Sparse24 in that model's __init__, or skip them (skip=[...])."
+        )
+    return pruned
 
 
-def _planned_weights(layer, copy, plan: dict[int, dict]) -> dict[str, tuple]:
+def _planned_weights(layer, copy, plan: dict[int, dict], reached: set[int]) -> dict[str, tuple]:
     """`{path relative to copy: (axis, mask)}` for the planned weights of `layer` and of the layers
     inside it (Bidirectional, TimeDistributed, custom blocks).
 
     `clone_model` hands over only the layers of the model's graph, so a nested layer is pruned by
     wrapping its outermost container. The copy's weights are matched by position (its sublayers
-    may have fresh names).
+    may have fresh names). The ids of the planned layers found are added to `reached`.
     """
     if not isinstance(layer, keras.layers.Layer):  # a stateless op node (GetItem)
         return {}
@@ -206,6 +218,8 @@ def _planned_weights(layer, copy, plan: dict[int, dict]) -> dict[str, tuple]:
     copy_paths = {id(v): p for p, v in relative_variables(copy).items()}
     spec = {}
     for sub in [layer, *inner]:  # outer first: MultiHeadAttention's table, not its EinsumDenses'
+        if id(sub) in plan:
+            reached.add(id(sub))
         for path, planned in plan.get(id(sub), {}).items():
             variable = relative_variables(sub)[path]
             spec.setdefault(copy_paths[id(copy.weights[position[id(variable)]])], planned)
@@ -331,27 +345,33 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
                     valid=all(is_nm_sparse(w, pw.pattern, pw.axis) for pw, w in effective),
                 )
             )
-        elif layer.weights:
-            eligible, reasons = scan_layer(layer, 4)
-            dense = [(path, var) for path, var, _ in eligible if id(var) not in claimed]
-            claimed |= {id(var) for _, var in dense}
-            if dense:
-                detail = "eligible, left dense: " + ", ".join(path for path, _ in dense)
-                rows.append(
-                    LayerReport(layer.name, type(layer).__name__, "not pruned",
-                                "; ".join([detail, *reasons]),
-                                sum(int(np.prod(v.shape)) for _, v in dense),
-                                sum(int(np.count_nonzero(v)) for _, v in dense), None)
-                )
-            elif reasons and not eligible:
-                params = sum(int(np.prod(v.shape)) for v in layer.weights if v.ndim >= 2)
-                rows.append(
-                    LayerReport(layer.name, type(layer).__name__, "skipped", "; ".join(reasons),
-                                params, params, None)
-                )
+            inside = [layer.layer, *walk_layers(layer.layer)]  # what the wrapper left dense
+            rows += [row for sub in inside if (row := _unpruned_row(sub, claimed))]
+        elif row := _unpruned_row(layer, claimed):
+            rows.append(row)
     if print_fn is not None:
         print_fn(format_report(rows))
     return rows
+
+
+def _unpruned_row(layer, claimed: set[int]) -> LayerReport | None:
+    """`report()`'s row for a plain layer: its eligible weights left dense (and not reported yet;
+    added to `claimed`), else the reasons it is skipped, else None."""
+    if isinstance(layer, keras.Model) or not layer.weights:
+        return None
+    eligible, reasons = scan_layer(layer, 4)
+    dense = [(path, var) for path, var, _ in eligible if id(var) not in claimed]
+    claimed |= {id(var) for _, var in dense}
+    kind = type(layer).__name__
+    if dense:
+        detail = "eligible, left dense: " + ", ".join(path for path, _ in dense)
+        return LayerReport(layer.name, kind, "not pruned", "; ".join([detail, *reasons]),
+                           sum(int(np.prod(v.shape)) for _, v in dense),
+                           sum(int(np.count_nonzero(v)) for _, v in dense), None)
+    if reasons and not eligible:
+        params = sum(int(np.prod(v.shape)) for v in layer.weights if v.ndim >= 2)
+        return LayerReport(layer.name, kind, "skipped", "; ".join(reasons), params, params, None)
+    return None
 
 
 def format_report(rows: list[LayerReport]) -> str:

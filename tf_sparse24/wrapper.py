@@ -34,14 +34,16 @@ class PrunedWeight:
 
 
 class _RecordingScope(keras.StatelessScope):
-    """A `StatelessScope` that remembers every variable the layer assigned inside it.
+    """A `StatelessScope` that remembers every variable the layer assigned inside it, and collects
+    the losses it added.
 
-    `call` writes those back afterwards: RNG seeds, moving statistics, and stateful RNNs' states,
-    which Keras keeps out of `layer.variables`.
+    `call` passes both on afterwards: RNG seeds, moving statistics, stateful RNNs' states (which
+    Keras keeps out of `layer.variables`), and `add_loss` / activity-regularizer losses (which a
+    non-collecting scope would drop).
     """
 
     def __init__(self, state_mapping):
-        super().__init__(state_mapping=state_mapping)
+        super().__init__(state_mapping=state_mapping, collect_losses=True)
         self.assigned: dict[int, keras.Variable] = {}
 
     def add_update(self, update):
@@ -96,6 +98,9 @@ class Sparse24(keras.layers.Wrapper):
     ):
         parse_pattern(pattern)
         kwargs.setdefault("name", f"sparse24_{layer.name}")
+        # The layer's own policy, not the global one: a float32 head under mixed precision must
+        # not get its inputs cast to 16 bits by the wrapper first.
+        kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(layer, **kwargs)
         self.pattern = pattern
         self.supports_masking = (
@@ -148,12 +153,18 @@ class Sparse24(keras.layers.Wrapper):
             self.layer(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
-    # The wrapped layer's own shape logic (Keras would otherwise route compute_output_spec through
-    # a compute_output_shape the inner layer may not implement).
     def compute_output_shape(self, *args, **kwargs):
         return self.layer.compute_output_shape(*args, **kwargs)
 
     def compute_output_spec(self, *args, **kwargs):
+        """The layer's own shape logic where it has one; else a symbolic trace of `call`, which
+        runs the layer's `__call__` (its input casts and autocast scope)."""
+        own = type(self.layer)
+        if (
+            own.compute_output_shape is keras.layers.Layer.compute_output_shape
+            and own.compute_output_spec is keras.layers.Layer.compute_output_spec
+        ):
+            return keras.Operation.compute_output_spec(self, *args, **kwargs)
         return self.layer.compute_output_spec(*args, **kwargs)
 
     def compute_mask(self, inputs, previous_mask=None):
@@ -195,6 +206,8 @@ class Sparse24(keras.layers.Wrapper):
             outputs = self.layer(*args, **kwargs)
         for var in scope.assigned.values():  # the layer's own state updates
             var.assign(scope.get_current_value(var))
+        for loss in scope.losses:
+            self.add_loss(loss)
         return outputs
 
     def get_config(self):
