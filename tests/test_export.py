@@ -754,7 +754,8 @@ def test_signature_names_order_and_precision_survive_verify(tmp_path):
     zeta, alpha = keras.Input((8,), name="zeta"), keras.Input((4,), name="alpha")
     h = keras.layers.Dense(8, name="h")(keras.layers.Concatenate()([zeta, alpha]))
     model = keras.Model(
-        [zeta, alpha], {"a-b": keras.layers.Dense(4, name="p")(h), "a_b": keras.layers.Dense(8, name="q")(h)}
+        [zeta, alpha],
+        {"a-b": keras.layers.Dense(4, name="p")(h), "a_b": keras.layers.Dense(8, name="q")(h)},
     )
     prune_plain_layers(model)
     metadata = export(model, tmp_path / "io" / "1")

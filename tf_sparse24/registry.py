@@ -162,7 +162,9 @@ def scan_layer(
     eligible, reasons = [], []
     for path, var, axis in candidates:
         if lora := lora_layers(layer, [var]):
-            reasons.append(f"{path}: LoRA is enabled on {lora[0]!r} (kernel + lora_a @ lora_b is dense)")
+            reasons.append(
+                f"{path}: LoRA is enabled on {lora[0]!r} (kernel + lora_a @ lora_b is dense)"
+            )
             continue
         if var.ndim < 2:
             reasons.append(f"{path} has rank {var.ndim}: nothing to group")

@@ -698,8 +698,8 @@ void check_fallback(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t strea
   CUDA_OK(cudaStreamSynchronize(stream));
   const Check c = check_product(p, y, M, static_cast<int>(std::min<int64_t>(M, 16)));
   const gpu::SparseMatMul::Stats s = tight_mm.stats();
-  const bool logged = !logs.empty() &&
-                      logs.back().find("no memory for the decompressed weight") != std::string::npos;
+  const bool logged =
+      !logs.empty() && logs.back().find("no memory for the decompressed weight") != std::string::npos;
   verdict(status.ok() && c.bad_outputs == 0 && c.rel_err < tolerance(t) && s.plain_calls == 1 &&
               s.dense_calls == 0 && s.cached_weights == 0 && logged,
           fmt("SparseMatMul fallback without memory for the dense weight: plain kernel, rel err "

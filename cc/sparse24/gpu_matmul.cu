@@ -195,7 +195,7 @@ Status SparseMatMul::run_dense(const MatMulArgs& a, const Allocator& alloc, cuda
   }
   if (!load_cublas(why_not)) return {};
   std::lock_guard<std::mutex> lock(mu_);
-  bool no_room = false;  // only the dense weight's own allocation failing sends y to the plain kernel
+  bool no_room = false;  // only the dense weight's allocation failing sends y to the plain kernel
   const MakeForm make = [&](CachedWeight* w) -> Status {
     const Status allocated = allocate(alloc, a.k * a.n * dtype_size(a.dtype), &w->dense);
     if (!allocated.ok()) {
