@@ -173,6 +173,47 @@ def test_resume_with_initial_epoch_does_not_recompute(keep_optimizer):
             np.testing.assert_array_equal(m, first)
 
 
+class MaskWatch(keras.callbacks.Callback):
+    """Records optimizer.iterations at every batch whose masks differ from the previous batch's
+    (placed after Sparse24Callback, so it sees the masks the coming steps use)."""
+
+    def __init__(self):
+        super().__init__()
+        self.changes, self._last = [], None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        now = masks(self.model)
+        if self._last is not None and any(not np.array_equal(a, b) for a, b in zip(now, self._last)):
+            self.changes.append(int(self.model.optimizer.iterations.numpy()))
+        self._last = now
+
+
+def test_steps_per_execution_keeps_the_schedule_in_optimizer_steps_across_fits():
+    """One callback per execution of 4 steps: masks due at steps 3 and 3 + 6k run at the next
+    execution boundary, and a run split over two fit() calls matches one uninterrupted run."""
+    def run(splits):
+        model = pruned_mlp()
+        model.compile(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=4,
+        )
+        callback, watch = ts.Sparse24Callback(start_step=3, update_every=6), MaskWatch()
+        epoch = 0
+        for end in splits:
+            model.fit(X, Y, batch_size=8, epochs=end, initial_epoch=epoch, shuffle=False,
+                      verbose=0, callbacks=[callback, watch])
+            watch._last = None  # a new fit(): compare within it only
+            epoch = end
+        return model, watch.changes
+
+    whole, changes = run([3])  # 8 steps per epoch, 24 in all
+    assert changes[0] == 4  # start_step 3 falls inside steps 0-3: computed before step 4
+    split, _ = run([1, 3])
+    for a, b in zip(whole.get_weights(), split.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_broken_invariant_fails_loudly_with_layer_name():
     model = pruned_mlp()
     compile_(model, "sgd")

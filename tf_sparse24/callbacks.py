@@ -2,7 +2,8 @@
 
 Masking itself happens in the `Sparse24` forward; the callback only observes and schedules, so the
 optimizer is never patched. All state the model needs (the masks) lives in the wrappers' weights;
-the callback keeps only a step counter, reset in `on_train_begin`, so one instance can be reused.
+the callback reads the step from the optimizer and keeps only its schedule, reset in
+`on_train_begin`, so one instance can be reused.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from tf_sparse24.prune import pruned_layers
 class Sparse24Callback(keras.callbacks.Callback):
     """Keeps a pruned model's masks on schedule, checks them, and logs sparsity.
 
-    The training step is `optimizer.iterations` (saved with the optimizer), or
-    `initial_epoch * steps_per_epoch` when resuming without optimizer state, whichever is larger.
+    The training step is `optimizer.iterations` (saved with the optimizer; one per optimizer
+    update), offset to `initial_epoch * steps_per_epoch` when resuming without optimizer state.
+    It is read before each batch callback; with `steps_per_execution > 1` (one callback per
+    execution) a computation due inside an execution runs at the next execution boundary, at
+    most `steps_per_execution - 1` steps late (masks stay ones until then).
 
     Args:
         start_step: dense warm-up. Before this step every mask is ones (the model trains dense);
@@ -59,7 +63,8 @@ class Sparse24Callback(keras.callbacks.Callback):
         self.method = method
         self.check = check
         self._layers = []
-        self._step = None
+        self._offset = None  # added to optimizer.iterations; set at the first epoch of a fit()
+        self._next = None  # the next step at which masks are computed, or None
 
     def on_train_begin(self, logs=None):
         self._layers = pruned_layers(self.model)
@@ -68,38 +73,48 @@ class Sparse24Callback(keras.callbacks.Callback):
                 f"Sparse24Callback: model {self.model.name!r} has no Sparse24 layers; "
                 "call tf_sparse24.prune(model) first."
             )
-        self._step = None
+        self._offset = self._next = None
+
+    def _iterations(self) -> int:
+        # .numpy(): under tf.distribute `iterations` is a MirroredVariable; int() rejects it.
+        return int(self.model.optimizer.iterations.numpy())
+
+    def _due_from(self, step: int) -> int | None:
+        """The first step >= `step` at which masks are computed (start_step, then every
+        update_every after it, or after 0), or None."""
+        if self.start_step is not None and step <= self.start_step:
+            return self.start_step
+        if not self.update_every:
+            return None
+        start = self.start_step or 0
+        return start + max(1, -(-(step - start) // self.update_every)) * self.update_every
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._step is None:  # first epoch of this fit(): find where training resumes
+        if self._offset is None:  # first epoch of this fit(): find where training resumes
             steps = (self.params or {}).get("steps") or 0
-            # .numpy(): under tf.distribute `iterations` is a MirroredVariable; int() rejects it.
-            self._step = max(
-                int(self.model.optimizer.iterations.numpy()), epoch * steps
-            )
-            if self.start_step is not None and self._step < self.start_step:
+            iterations = self._iterations()
+            self._offset = max(0, epoch * steps - iterations)
+            step = iterations + self._offset
+            self._next = self._due_from(step)
+            if self.start_step is not None and step < self.start_step:
                 for layer in self._layers:
                     for pw in layer.pruned_weights:
                         pw.mask.assign(np.ones(pw.mask.shape, pw.mask.dtype))
 
     def on_train_batch_begin(self, batch, logs=None):
-        step, start = self._step, self.start_step or 0
-        due = step == self.start_step or (
-            self.update_every
-            and step > start
-            and (step - start) % self.update_every == 0
-        )
-        if due:
+        if self._next is None:
+            return
+        step = self._iterations() + self._offset
+        # A step due inside the previous execution (steps_per_execution > 1) runs now, once.
+        if self._next <= step:
             for layer in self._layers:
                 layer.update_masks(self.method)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._step += 1
+            self._next = self._due_from(step + 1)
 
     def on_epoch_end(self, epoch, logs=None):
         total = zeros = 0
         valid = True
-        warm = self.start_step is not None and self._step <= self.start_step
+        warm = self.start_step is not None and self._next == self.start_step  # not computed yet
         for layer in self._layers:
             for pw in layer.pruned_weights:
                 w = layer.effective_weight(pw)

@@ -71,6 +71,9 @@ def magnitude_mask(groups: tf.Tensor, n: int) -> tf.Tensor:
 MASK_METHODS: dict[str, Callable[[tf.Tensor, int], tf.Tensor]] = {
     "magnitude": magnitude_mask
 }
+# Shape requirements a method adds: `(groups view shape [G, M, P], n) -> problem or None`, checked
+# eagerly by compute_mask (so the error names the weight) before the method's tf.function.
+MASK_METHOD_CHECKS: dict[str, Callable[[tuple, int], str | None]] = {}
 
 
 def _mask_method(method: str) -> Callable[[tf.Tensor, int], tf.Tensor]:
@@ -155,6 +158,9 @@ def compute_mask(
     w = tf.convert_to_tensor(weight)
     label = _weight_name(weight, name)
     groups = _groups_view(w, m, axis, label)
+    check = MASK_METHOD_CHECKS.get(method)
+    if check is not None and (problem := check(tuple(groups.shape), n)):
+        raise ValueError(f"Weight {label} with shape {tuple(w.shape)}: {problem}.")
     keep, finite = _keep_and_finite(groups, n, m, fn)
     if tf.executing_eagerly():
         if not bool(finite):
@@ -180,6 +186,7 @@ def is_nm_sparse(weight, pattern: str = "2:4", axis: int = 0) -> bool:
 
 
 # Methods defined in their own modules (they only need TF, so importing them last is safe).
-from tf_sparse24.transposable import TRANSPOSABLE_METHODS  # noqa: E402
+from tf_sparse24.transposable import TRANSPOSABLE_CHECKS, TRANSPOSABLE_METHODS  # noqa: E402
 
 MASK_METHODS.update(TRANSPOSABLE_METHODS)
+MASK_METHOD_CHECKS.update(TRANSPOSABLE_CHECKS)

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -36,18 +37,24 @@ def _patterns() -> np.ndarray:
 PATTERNS_4X4 = _patterns()
 
 
+def _block_problem(name: str, shape, n: int) -> str | None:
+    """Why a `[G, M, P]` groups view cannot take mask method `name` (4x4 blocks), or None.
+    Checked eagerly by `compute_mask` (naming the weight) and again in `_blocks`."""
+    if n != 2 or shape[1] != 4:
+        return f"mask method {name!r} is defined for the 2:4 pattern only. Received: {n}:{shape[1]}"
+    if shape[2] is not None and shape[2] % 4:
+        return (f"mask method {name!r} needs 4x4 blocks: the weight's size after the grouping axis "
+                f"(N of its [K, N] view) must be a multiple of 4. Received: N={shape[2]}")
+    return None
+
+
 def _blocks(groups: tf.Tensor, n: int, name: str) -> tf.Tensor:
     """`[G, 4, P]` -> `[G, P/4, 4 (k), 4 (n)]` magnitudes in float32."""
-    if n != 2 or groups.shape[1] != 4:
-        raise ValueError(f"Mask method {name!r} is defined for the 2:4 pattern only. Received: "
-                         f"pattern={n}:{groups.shape[1]}")
-    message = (f"Mask method {name!r} needs 4x4 blocks: the weight's size after the grouping axis "
-               f"(N of its [K, N] view) must be a multiple of 4. Received: groups view ")
-    p = groups.shape[2]
-    if p is not None and p % 4:  # shapes can be dynamic under compute_mask's tf.function
-        raise ValueError(message + str(tuple(groups.shape)))
-    p = tf.shape(groups)[2]
-    checks = [tf.debugging.assert_equal(p % 4, 0, message=message + "(dynamic shape)")]
+    if problem := _block_problem(name, tuple(groups.shape), n):
+        raise ValueError(problem)
+    p = tf.shape(groups)[2]  # dynamic under compute_mask's tf.function
+    message = f"mask method {name!r} needs N (of the [K, N] view) to be a multiple of 4"
+    checks = [tf.debugging.assert_equal(p % 4, 0, message=message)]
     with tf.control_dependencies(checks):
         mag = tf.abs(tf.cast(groups, tf.float32))
     return tf.transpose(tf.reshape(mag, [-1, 4, p // 4, 4]), [0, 2, 1, 3])
@@ -88,3 +95,4 @@ def transposable_greedy(groups: tf.Tensor, n: int) -> tf.Tensor:
 
 
 TRANSPOSABLE_METHODS = {"transposable": transposable_exact, "transposable_greedy": transposable_greedy}
+TRANSPOSABLE_CHECKS = {name: functools.partial(_block_problem, name) for name in TRANSPOSABLE_METHODS}
