@@ -260,6 +260,29 @@ def test_gradients_match_dense(batch):
         np.testing.assert_allclose(got.numpy(), dvalues_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_gradient_takes_k_from_x_when_values_shape_is_unknown():
+    """In a tf.function whose values/meta have unknown shapes, K comes from x's static shape."""
+    rng = np.random.default_rng(8)
+    k, n = 16, 5
+    w = random_24(rng, k, n, np.float32)
+    values, meta = (tf.constant(a) for a in fmt.compress(w))
+    x = tf.constant(rng.standard_normal((3, k)).astype(np.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, k]), tf.TensorSpec([None, None]),
+                                  tf.TensorSpec([None, None], tf.uint8)])  # fmt: skip
+    def grads(x, values, meta):
+        with tf.GradientTape() as tape:
+            tape.watch([x, values])
+            loss = tf.reduce_sum(ops.sparse24_matmul(x, values, meta))
+        return tape.gradient(loss, [x, values])
+
+    dx, dvalues = grads(x, values, meta)
+    np.testing.assert_allclose(dx.numpy(), np.ones((3, n)) @ w.T, rtol=1e-5, atol=1e-6)
+    kept = fmt.unpack_meta(meta.numpy(), k) + 4 * np.arange(k // 4)[:, None]
+    want = np.take_along_axis((x.numpy().T @ np.ones((3, n))).T, kept.reshape(n, k // 2), axis=1)
+    np.testing.assert_allclose(dvalues.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_compress_gradient_scatters_back():
     rng = np.random.default_rng(6)
     w = tf.constant(random_24(rng, 8, 3, np.float32))

@@ -170,18 +170,24 @@ def _gather_kept(dense: tf.Tensor, meta: tf.Tensor, k: int) -> tf.Tensor:
     return tf.gather(tf.transpose(dense), kept_rows(meta, k), axis=1, batch_dims=1)
 
 
-def _static_k(values: tf.Tensor, op: tf.Operation) -> int:
-    half_k = values.shape[-1]
-    if half_k is None:
-        raise ValueError(f"the gradient of {op.type} needs a static K (values [N, K/2], K/2 known)")
-    return 2 * half_k
+def _static_k(op: tf.Operation, k: int | None, half_k: int | None) -> int:
+    """K for the gradient's Sparse24Decompress (an op attribute, so static): from the dense side's
+    static shape (`k`), else from values' [N, K/2]."""
+    if k is not None:
+        return int(k)
+    if half_k is not None:
+        return 2 * int(half_k)
+    raise ValueError(
+        f"the gradient of {op.type} needs a static K: give x (or the dense input) a static last "
+        "dimension, or values a static [N, K/2] shape"
+    )
 
 
 @tf.RegisterGradient("Sparse24MatMul")
 def _sparse24_matmul_grad(op: tf.Operation, dy: tf.Tensor):
     """d/dx = dy @ W^T (W decompressed); d/dvalues = (x^T dy) at the kept positions; meta: None."""
     x, values, meta = op.inputs
-    k = _static_k(values, op)
+    k = _static_k(op, x.shape[-1] if x.shape.rank else None, values.shape[-1])
     n = tf.shape(values)[0]
     w = sparse24_decompress(values, meta, k)  # [K, N]
     dy2 = tf.reshape(dy, [-1, n])
@@ -199,7 +205,9 @@ def _sparse24_decompress_grad(op: tf.Operation, ddense: tf.Tensor):
 @tf.RegisterGradient("Sparse24Compress")
 def _sparse24_compress_grad(op: tf.Operation, dvalues: tf.Tensor, unused_dmeta: tf.Tensor):
     # values is a gather of dense at positions fixed by its non-zeros: the gradient scatters back.
-    return sparse24_decompress(dvalues, op.outputs[1], _static_k(op.outputs[0], op))
+    k = _static_k(op, op.inputs[0].shape[0] if op.inputs[0].shape.rank else None,
+                  op.outputs[0].shape[-1])
+    return sparse24_decompress(dvalues, op.outputs[1], k)
 
 
 # --------------------------------------------------------------------------------------------------
