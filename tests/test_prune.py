@@ -336,6 +336,20 @@ def test_selecting_or_skipping_a_container_covers_its_layers():
     assert rows["fc2"].status == "not pruned"  # inside the wrapped block, left dense
 
 
+def test_report_has_one_row_per_attention_layer():
+    """MultiHeadAttention's sublayers repeat none of its row; a wrapper's leftovers get theirs."""
+    inp = keras.Input((6, 8))
+    h = keras.layers.MultiHeadAttention(2, 3, name="mha")(inp, inp)  # attention_output axis 3
+    model = keras.Model(inp, keras.layers.Dense(4, name="out")(h))
+    rows = ts.report(ts.prune(model, skip="mha"), print_fn=None)
+    assert [(r.layer, r.status) for r in rows] == [("mha", "not pruned"), ("sparse24_out", "pruned")]
+    assert "attention_output/kernel (2, 3, 8): axis 1 size 3" in rows[0].reason
+    rows = ts.report(ts.prune(model), print_fn=None)
+    assert [(r.layer, r.status) for r in rows] == [
+        ("sparse24_mha", "pruned"), ("attention_output", "skipped"), ("sparse24_out", "pruned")
+    ]
+
+
 def test_skipping_a_sublayer_class_keeps_the_owners_table_off_it():
     inp = keras.Input((6, 8))
     h = keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)

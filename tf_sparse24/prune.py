@@ -355,23 +355,28 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
 
 
 def _unpruned_row(layer, claimed: set[int]) -> LayerReport | None:
-    """`report()`'s row for a plain layer: its eligible weights left dense (and not reported yet;
-    added to `claimed`), else the reasons it is skipped, else None."""
+    """`report()`'s row for a plain layer: its eligible weights left dense, else the reasons it is
+    skipped, else None. Weights already reported (`claimed`) are left out; a row claims all of the
+    layer's weights, so MultiHeadAttention's sublayers do not repeat its row."""
     if isinstance(layer, keras.Model) or not layer.weights:
+        return None
+    if all(id(v) in claimed for v in layer.weights):
         return None
     eligible, reasons = scan_layer(layer, 4)
     dense = [(path, var) for path, var, _ in eligible if id(var) not in claimed]
-    claimed |= {id(var) for _, var in dense}
     kind = type(layer).__name__
     if dense:
         detail = "eligible, left dense: " + ", ".join(path for path, _ in dense)
-        return LayerReport(layer.name, kind, "not pruned", "; ".join([detail, *reasons]),
-                           sum(int(np.prod(v.shape)) for _, v in dense),
-                           sum(int(np.count_nonzero(v)) for _, v in dense), None)
-    if reasons and not eligible:
+        row = LayerReport(layer.name, kind, "not pruned", "; ".join([detail, *reasons]),
+                          sum(int(np.prod(v.shape)) for _, v in dense),
+                          sum(int(np.count_nonzero(v)) for _, v in dense), None)
+    elif reasons and not eligible:
         params = sum(int(np.prod(v.shape)) for v in layer.weights if v.ndim >= 2)
-        return LayerReport(layer.name, kind, "skipped", "; ".join(reasons), params, params, None)
-    return None
+        row = LayerReport(layer.name, kind, "skipped", "; ".join(reasons), params, params, None)
+    else:
+        return None
+    claimed |= {id(v) for v in layer.weights}
+    return row
 
 
 def format_report(rows: list[LayerReport]) -> str:
