@@ -106,8 +106,8 @@ def export(
         The metadata written to `assets/sparse24.json`.
 
     Raises:
-        ValueError: bad mode or model, a pruned weight that is not 2:4, or a model without any 2:4
-            weight (export a dense model with `model.export` instead).
+        ValueError: bad mode or model, a pruned weight that is not 2:4, a model without any 2:4
+            weight (export a dense model with `model.export` instead), stateful RNN layers.
         FileExistsError: `export_dir` exists and `overwrite` is False.
     """
     if mode not in md.MODES:
@@ -330,6 +330,8 @@ def _dedupe_names(items: list) -> None:
 
 
 def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
+    """The serving signature's named inputs, in the model's order: `input_signature` (a list of
+    named specs, or `{name: spec}`), else the model's symbolic inputs (names sanitised, unique)."""
     if isinstance(input_signature, dict):
         bad = [k for k in input_signature if not re.fullmatch(r"[A-Za-z_]\w*", str(k))]
         if bad or not all(isinstance(s, tf.TensorSpec) for s in input_signature.values()):
