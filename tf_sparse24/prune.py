@@ -90,7 +90,8 @@ def _check_selectors(model, selectors, arg: str) -> list:
 
 
 def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
-    """Masks for every layer to prune, keyed by id(layer); validates everything first."""
+    """`{id(layer): {id(variable): (axis, mask)}}` for every layer to prune; validates everything
+    first. A weight is planned once, by the outermost layer that names it."""
     m = parse_pattern(pattern)[1]
     layers = _check_selectors(model, layers, "layers")
     skip = _check_selectors(model, skip, "skip")
@@ -105,7 +106,7 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
     selected, skipped = covered(layers), covered(skip)
     # ...and a skipped layer's weights stay dense also where its owner's table names them
     # (skip=[EinsumDense] keeps MultiHeadAttention's projections dense).
-    skipped_weights = {id(v) for layer in everything if id(layer) in skipped for v in layer.weights}
+    taken = {id(v) for layer in everything if id(layer) in skipped for v in layer.weights}
     plan = {}
     for layer in everything:
         if isinstance(layer, (keras.Model, Sparse24)) or not layer.weights:
@@ -113,10 +114,14 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
         if (layers and id(layer) not in selected) or id(layer) in skipped:
             continue
         eligible, _ = scan_layer(layer, m)
-        eligible = [(p, v, a) for p, v, a in eligible if id(v) not in skipped_weights]
+        # walk_layers lists a layer before its sublayers: MultiHeadAttention's table plans its
+        # projections, its EinsumDenses then find them taken.
+        eligible = [(p, v, a) for p, v, a in eligible if id(v) not in taken]
+        taken |= {id(v) for _, v, _ in eligible}
         if eligible:
             plan[id(layer)] = {
-                path: (axis, compute_mask(var, pattern, axis, method, name=f"{layer.name}/{path}"))
+                id(var): (axis, compute_mask(var, pattern, axis, method,
+                                             name=f"{layer.name}/{path}"))
                 for path, var, axis in eligible
             }
     return plan
@@ -217,12 +222,11 @@ def _planned_weights(layer, copy, plan: dict[int, dict], reached: set[int]) -> d
     position = {id(v): i for i, v in enumerate(layer.weights)}
     copy_paths = {id(v): p for p, v in relative_variables(copy).items()}
     spec = {}
-    for sub in [layer, *inner]:  # outer first: MultiHeadAttention's table, not its EinsumDenses'
+    for sub in [layer, *inner]:
         if id(sub) in plan:
             reached.add(id(sub))
-        for path, planned in plan.get(id(sub), {}).items():
-            variable = relative_variables(sub)[path]
-            spec.setdefault(copy_paths[id(copy.weights[position[id(variable)]])], planned)
+            for variable, planned in plan[id(sub)].items():
+                spec[copy_paths[id(copy.weights[position[variable]])]] = planned
     return spec
 
 
