@@ -181,11 +181,14 @@ class MaskWatch(keras.callbacks.Callback):
         super().__init__()
         self.changes, self._last = [], None
 
+    def on_train_begin(self, logs=None):
+        self._last = None  # a new fit(): compare within it only
+
     def on_train_batch_begin(self, batch, logs=None):
         now = masks(self.model)
-        if self._last is not None and any(not np.array_equal(a, b) for a, b in zip(now, self._last)):
+        last, self._last = self._last, now
+        if last is not None and any(not np.array_equal(a, b) for a, b in zip(now, last)):
             self.changes.append(int(self.model.optimizer.iterations.numpy()))
-        self._last = now
 
 
 def test_steps_per_execution_keeps_the_schedule_in_optimizer_steps_across_fits():
@@ -203,7 +206,6 @@ def test_steps_per_execution_keeps_the_schedule_in_optimizer_steps_across_fits()
         for end in splits:
             model.fit(X, Y, batch_size=8, epochs=end, initial_epoch=epoch, shuffle=False,
                       verbose=0, callbacks=[callback, watch])
-            watch._last = None  # a new fit(): compare within it only
             epoch = end
         return model, watch.changes
 

@@ -298,6 +298,11 @@ CONTAINER_AXES = {
 }
 
 
+def names_of(model):
+    """The names of the layers `Sparse24` wraps in `model`, in model order."""
+    return [layer.layer.name for layer in ts.pruned_layers(model)]
+
+
 def test_layers_inside_containers_are_pruned_through_the_container(tmp_path):
     model = container_model()
     pruned = ts.prune(model)
@@ -322,11 +327,10 @@ def test_layers_inside_containers_are_pruned_through_the_container(tmp_path):
 
 def test_selecting_or_skipping_a_container_covers_its_layers():
     model = container_model()
-    names = lambda m: sorted(layer.layer.name for layer in ts.pruned_layers(m))
-    assert names(ts.prune(model, layers=["td"])) == ["td"]
-    assert names(ts.prune(model, layers=["forward_lstm"])) == ["bi"]  # by an inner layer's name
-    assert names(ts.prune(model, layers=keras.layers.LSTM)) == ["bi"]  # one selector, no list
-    assert names(ts.prune(model, skip="bi")) == ["block", "out", "td"]
+    assert names_of(ts.prune(model, layers=["td"])) == ["td"]
+    assert names_of(ts.prune(model, layers=["forward_lstm"])) == ["bi"]  # an inner layer's name
+    assert names_of(ts.prune(model, layers=keras.layers.LSTM)) == ["bi"]  # one selector, no list
+    assert sorted(names_of(ts.prune(model, skip="bi"))) == ["block", "out", "td"]
     only_fc1 = ts.prune(model, layers=["fc1"])
     (block,) = ts.pruned_layers(only_fc1)
     assert [pw.name for pw in block.pruned_weights] == ["fc1/kernel"]
@@ -342,7 +346,9 @@ def test_report_has_one_row_per_attention_layer():
     h = keras.layers.MultiHeadAttention(2, 3, name="mha")(inp, inp)  # attention_output axis 3
     model = keras.Model(inp, keras.layers.Dense(4, name="out")(h))
     rows = ts.report(ts.prune(model, skip="mha"), print_fn=None)
-    assert [(r.layer, r.status) for r in rows] == [("mha", "not pruned"), ("sparse24_out", "pruned")]
+    assert [(r.layer, r.status) for r in rows] == [
+        ("mha", "not pruned"), ("sparse24_out", "pruned")
+    ]
     assert "attention_output/kernel (2, 3, 8): axis 1 size 3" in rows[0].reason
     rows = ts.report(ts.prune(model), print_fn=None)
     assert [(r.layer, r.status) for r in rows] == [
@@ -376,10 +382,6 @@ def test_layers_inside_a_nested_subclassed_model_are_an_error_not_a_silent_skip(
         ts.prune(model)
     assert names_of(ts.prune(model, skip=["tower"])) == ["out"]
     assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
-
-
-def names_of(model):
-    return [layer.layer.name for layer in ts.pruned_layers(model)]
 
 
 @keras.saving.register_keras_serializable(package="test_prune")
