@@ -2,8 +2,7 @@
 // TF_SPARSE24_CUDA=1; see docs/GPU.md). Thin: shape checks and TensorFlow's allocator and stream
 // here; the logic (checked compress, meta validation, Sparse24MatMul's cuSPARSELt path and its
 // cuBLAS / plain-kernel fallback, with the weight cache) is in the framework-free core
-// (cc/sparse24/gpu_matmul.h), which
-// gpu_check tests on a GPU without TensorFlow.
+// (cc/sparse24/gpu_matmul.h), which gpu_check tests on a GPU without TensorFlow.
 #if GOOGLE_CUDA
 
 #include <cuda_runtime_api.h>
