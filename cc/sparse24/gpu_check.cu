@@ -658,25 +658,30 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
 void check_fallback(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t stream) {
   const std::string shape = fmt("%s M=%ld K=%ld N=%ld", dname(t), (long)M, (long)K, (long)N);
   if (gpu::lt_unsupported_reason(t, K, N).empty()) die(1, "check_fallback: cuSPARSELt takes " + shape);
-  gpu::SparseMatMul mm([](const std::string&, const std::string&) {}, false);
   Problem p(t, M, K, N);
   p.compress_2to4();
   Buf y(M * N * esize(t));
-  const bool dense = M > gpu::SparseMatMul::kPlainMaxRows;
-  for (int call = 1; call <= 2; ++call) {
+  // One op call into poisoned y; its status, y against float64, and the op's counters after it.
+  auto call = [&](gpu::SparseMatMul& mm, const gpu::Allocator& alloc, gpu::Status* status) {
     CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
     const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
-    const gpu::Status status = mm.run(args, stream_allocator(stream), stream);
+    *status = mm.run(args, alloc, stream);
     CUDA_OK(cudaStreamSynchronize(stream));
-    const Check c = check_product(p, y, M, static_cast<int>(std::min<int64_t>(M, 16)));
-    const gpu::SparseMatMul::Stats s = mm.stats();
-    const bool path_ok = dense ? s.dense_calls == call && s.plain_calls == 0 &&
+    return std::make_pair(check_product(p, y, M, static_cast<int>(std::min<int64_t>(M, 16))),
+                          mm.stats());
+  };
+  gpu::SparseMatMul mm([](const std::string&, const std::string&) {}, false);
+  const bool dense = M > gpu::SparseMatMul::kPlainMaxRows;
+  for (int n_call = 1; n_call <= 2; ++n_call) {
+    gpu::Status status;
+    const auto [c, s] = call(mm, stream_allocator(stream), &status);
+    const bool path_ok = dense ? s.dense_calls == n_call && s.plain_calls == 0 &&
                                      s.decompressions == 1 && s.cached_weights == 1
-                               : s.plain_calls == call && s.dense_calls == 0 &&
+                               : s.plain_calls == n_call && s.dense_calls == 0 &&
                                      s.decompressions == 0 && s.cached_weights == 0;
     verdict(status.ok() && c.bad_outputs == 0 && c.rel_err < tolerance(t) && path_ok,
             fmt("SparseMatMul fallback call %d (%s) rel err %.2e, unwritten %ld, %d dense / %d "
-                "plain calls, %d decompressions, %zu cached, %s", call,
+                "plain calls, %d decompressions, %zu cached, %s", n_call,
                 dense ? "cuBLAS on the cached decompressed weight" : "plain kernel", c.rel_err,
                 (long)c.bad_outputs, s.dense_calls, s.plain_calls, s.decompressions,
                 s.cached_weights, status.message.c_str()) + shape);
@@ -692,12 +697,8 @@ void check_fallback(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t strea
   std::vector<std::string> logs;
   gpu::SparseMatMul tight_mm([&](const std::string&, const std::string& m) { logs.push_back(m); },
                              false);
-  CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
-  const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
-  const gpu::Status status = tight_mm.run(args, tight, stream);
-  CUDA_OK(cudaStreamSynchronize(stream));
-  const Check c = check_product(p, y, M, static_cast<int>(std::min<int64_t>(M, 16)));
-  const gpu::SparseMatMul::Stats s = tight_mm.stats();
+  gpu::Status status;
+  const auto [c, s] = call(tight_mm, tight, &status);
   const bool logged =
       !logs.empty() && logs.back().find("no memory for the decompressed weight") != std::string::npos;
   verdict(status.ok() && c.bad_outputs == 0 && c.rel_err < tolerance(t) && s.plain_calls == 1 &&
