@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import keras
 import ml_dtypes
@@ -665,6 +666,16 @@ def tiny_model() -> keras.Model:
     )
     prune_plain_layers(model)
     return model
+
+
+def test_warns_when_export_dir_is_not_a_version_number(tmp_path):
+    model = tiny_model()
+    with pytest.warns(UserWarning, match="not a numeric version directory"):
+        export(model, tmp_path / "latest")
+    assert load(tmp_path / "latest").sparse24_metadata  # still written and loadable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export(model, tmp_path / "m" / "7")
 
 
 def test_refuses_to_overwrite_unless_asked(tmp_path):

@@ -41,6 +41,7 @@ import re
 import shutil
 import tempfile
 import uuid
+import warnings
 from typing import Any
 
 import keras
@@ -117,6 +118,13 @@ def export(
     export_dir = os.path.abspath(os.fspath(export_dir))
     if os.path.exists(export_dir) and not overwrite:
         raise FileExistsError(f"{export_dir} exists; pass overwrite=True to replace it")
+    if not os.path.basename(export_dir).isdigit():
+        warnings.warn(
+            f"export_dir {export_dir!r} is not a numeric version directory: TensorFlow Serving "
+            "serves only <model>/<number>/ (e.g. models/my_model/1). tf.saved_model.load reads "
+            "it anyway.",
+            stacklevel=2,
+        )
     model = functional_view(model)
     stateful = [
         layer.name for layer in model._flatten_layers(include_self=False)
