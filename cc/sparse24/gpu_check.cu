@@ -635,6 +635,27 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   verdict(status.code == gpu::Status::kInvalidArgument &&
               status.message.find(want) != std::string::npos,
           "SparseMatMul names invalid meta (\"" + status.message + "\"), " + shape);
+  // Sparse24Decompress: the same meta refused and named, nothing written; valid meta decompressed
+  // like the unchecked kernel (checked against the CPU reference in check_format).
+  Buf w_checked(K * N * esize(t)), w_plain(K * N * esize(t));
+  w_checked.poison();
+  const std::vector<uint8_t> poisoned = w_checked.host();
+  const gpu::Status refused = gpu::decompress_checked(t, bad->values.p, bad->meta.get<uint8_t>(),
+                                                      K, N, w_checked.p, alloc, stream);
+  const std::string want_d = fmt("Sparse24Decompress: invalid meta: row n=%ld, group g=1 ",
+                                 (long)(N - 1));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  verdict(refused.code == gpu::Status::kInvalidArgument &&
+              refused.message.find(want_d) != std::string::npos && w_checked.host() == poisoned,
+          "decompress_checked names invalid meta, writes nothing (\"" + refused.message + "\"), " +
+              shape);
+  w_plain.poison();
+  const gpu::Status accepted = gpu::decompress_checked(t, p->values.p, p->meta.get<uint8_t>(), K,
+                                                       N, w_checked.p, alloc, stream);
+  CUDA_OK(gpu::decompress(t, p->values.p, p->meta.get<uint8_t>(), K, N, false, w_plain.p, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  verdict(accepted.ok() && w_checked.host() == w_plain.host(),
+          "decompress_checked == decompress on valid meta (" + accepted.message + "), " + shape);
   // compress_checked names the first non-2:4 group like format.compress.
   const float half = 0.5f;
   const uint16_t half16 = t == DType::kBFloat16 ? 0x3f00 : 0x3800;

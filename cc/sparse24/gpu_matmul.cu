@@ -21,11 +21,6 @@ namespace {
     if (!status_.ok()) return status_; \
   } while (0)
 
-Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return {};
-  return {Status::kInternal, std::string(what) + ": " + cudaGetErrorString(e)};
-}
-
 Status invalid_argument(std::string message) {
   return {Status::kInvalidArgument, std::move(message)};
 }
@@ -62,6 +57,11 @@ Status launch_fingerprint(const MatMulArgs& a, unsigned long long* slot, cudaStr
 }
 
 }  // namespace
+
+Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return {};
+  return {Status::kInternal, std::string(what) + ": " + cudaGetErrorString(e)};
+}
 
 Status compress_checked(DType dtype, const void* w, int64_t k, int64_t n, void* values,
                         uint8_t* meta, const Allocator& alloc, cudaStream_t stream) {
@@ -100,6 +100,13 @@ Status check_meta_now(const char* op, const uint8_t* meta, int64_t k, int64_t n,
                             "K % 8 == 4 (K=" + str(k) + ")");
   }
   return {};
+}
+
+Status decompress_checked(DType dtype, const void* values, const uint8_t* meta, int64_t k,
+                          int64_t n, void* w, const Allocator& alloc, cudaStream_t stream) {
+  S24_RETURN_IF_ERROR(check_meta_now("Sparse24Decompress", meta, k, n, alloc, stream));
+  return cuda_status(decompress(dtype, values, meta, k, n, /*transposed=*/false, w, stream),
+                     "Sparse24Decompress kernel");
 }
 
 bool trust_weight_address_from_env() {

@@ -62,6 +62,14 @@ Status compress_checked(DType dtype, const void* w, int64_t k, int64_t n, void* 
 Status check_meta_now(const char* op, const uint8_t* meta, int64_t k, int64_t n,
                       const Allocator& alloc, cudaStream_t stream);
 
+// values, meta -> W [K, N] (format.decompress) after check_meta_now("Sparse24Decompress", ...).
+// K and N > 0.
+Status decompress_checked(DType dtype, const void* values, const uint8_t* meta, int64_t k,
+                          int64_t n, void* w, const Allocator& alloc, cudaStream_t stream);
+
+// Internal (naming `what`) for a CUDA error, else OK.
+Status cuda_status(cudaError_t e, const char* what);
+
 // y [m, n] = x [m, k] @ W, W given as values [n, k/2] and meta [n, ceil(k/8)]; m, k, n > 0.
 struct MatMulArgs {
   DType dtype;

@@ -1,6 +1,6 @@
 // GPU kernels of Sparse24Compress / Sparse24Decompress / Sparse24MatMul (built with
 // TF_SPARSE24_CUDA=1; see docs/GPU.md). Thin: shape checks and TensorFlow's allocator and stream
-// here; the logic (checked compress, meta validation, Sparse24MatMul's cuSPARSELt path and its
+// here; the logic (checked compress and decompress, Sparse24MatMul's cuSPARSELt path and its
 // cuBLAS / plain-kernel fallback, with the weight cache) is in the framework-free core
 // (cc/sparse24/gpu_matmul.h), which gpu_check tests on a GPU without TensorFlow.
 #if GOOGLE_CUDA
@@ -12,8 +12,6 @@
 #include <set>
 #include <string>
 
-#include "absl/strings/str_cat.h"
-#include "cc/sparse24/gpu_kernels.h"
 #include "cc/sparse24/gpu_matmul.h"
 #include "cc/tf/sparse24_kernel_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -36,11 +34,6 @@ using sparse24_kernels::ToDType;
 cudaStream_t StreamOf(OpKernelContext* ctx) {
   return reinterpret_cast<cudaStream_t>(
       ctx->op_device_context()->stream()->platform_specific_handle().stream);
-}
-
-absl::Status CudaStatus(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
 }
 
 absl::Status ToAbsl(const gpu::Status& s) {
@@ -116,15 +109,9 @@ class Sparse24DecompressGpuOp : public OpKernel {
     Tensor* dense = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k_, n}), &dense));
     if (k_ == 0 || n == 0) return;
-    const cudaStream_t stream = StreamOf(ctx);
-    OP_REQUIRES_OK(ctx, ToAbsl(gpu::check_meta_now("Sparse24Decompress",
-                                                   meta.flat<uint8_t>().data(), k_, n,
-                                                   TfAllocator(ctx), stream)));
-    OP_REQUIRES_OK(ctx, CudaStatus(gpu::decompress(ToDType<T>(), values.flat<T>().data(),
-                                                   meta.flat<uint8_t>().data(), k_, n,
-                                                   /*transposed=*/false, dense->flat<T>().data(),
-                                                   stream),
-                                   "Sparse24Decompress kernel"));
+    OP_REQUIRES_OK(ctx, ToAbsl(gpu::decompress_checked(
+                            ToDType<T>(), values.flat<T>().data(), meta.flat<uint8_t>().data(),
+                            k_, n, dense->flat<T>().data(), TfAllocator(ctx), StreamOf(ctx))));
   }
 
  private:
@@ -161,9 +148,10 @@ class Sparse24MatMulGpuOp : public OpKernel {
       return;
     }
     if (k == 0) {  // empty sum
-      OP_REQUIRES_OK(ctx, CudaStatus(cudaMemsetAsync(y->flat<T>().data(), 0,
-                                                     y->NumElements() * sizeof(T), stream),
-                                     "zeroing y"));
+      OP_REQUIRES_OK(ctx, ToAbsl(gpu::cuda_status(
+                              cudaMemsetAsync(y->flat<T>().data(), 0,
+                                              y->NumElements() * sizeof(T), stream),
+                              "zeroing y")));
       return;
     }
     const gpu::MatMulArgs args{ToDType<T>(), x.flat<T>().data(), values.flat<T>().data(),
