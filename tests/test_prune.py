@@ -385,6 +385,42 @@ def test_layers_inside_a_nested_subclassed_model_are_an_error_not_a_silent_skip(
 
 
 @keras.saving.register_keras_serializable(package="test_prune")
+class TiedOutput(keras.layers.Layer):
+    """An output projection reading another layer's kernel (transposed): a tied weight."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        self.source = source
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.source.kernel))
+
+    def get_config(self):
+        source = keras.saving.serialize_keras_object(self.source)
+        return {**super().get_config(), "source": source}
+
+    @classmethod
+    def from_config(cls, config):
+        config["source"] = keras.saving.deserialize_keras_object(config["source"])
+        return cls(**config)
+
+
+def test_weights_tied_across_layers_are_refused_not_untied():
+    inp = keras.Input((16,))
+    encoder = keras.layers.Dense(8, name="encoder")
+    model = keras.Model(inp, TiedOutput(encoder, name="tied")(encoder(inp)))
+    weights = [w.copy() for w in model.get_weights()]
+    message = r"weight 'encoder/kernel' is shared by layers 'encoder' and 'tied'.*untie"
+    with pytest.raises(ValueError, match=message):
+        ts.prune(model)
+    with pytest.raises(ValueError, match=message):
+        ts.prune(model, skip=["encoder", "tied"])  # a copy unties it, pruned or not
+    with pytest.raises(ValueError, match=message):
+        ts.strip(model)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+
+
+@keras.saving.register_keras_serializable(package="test_prune")
 class LossyBlock(Block):
     """A block that adds losses: its own add_loss, and an activity regularizer inside."""
 

@@ -71,6 +71,34 @@ def _check_model(model, what: str) -> None:
         )
 
 
+def _copied_layers(model: keras.Model) -> list:
+    """The layers `clone_model(..., recursive=True)` copies one by one (nested Sequential and
+    Functional models are entered), each once."""
+    out = {}
+    for layer in model.layers:
+        if isinstance(layer, keras.Sequential) or _is_functional(layer):
+            out.update((id(sub), sub) for sub in _copied_layers(layer))
+        else:
+            out[id(layer)] = layer
+    return list(out.values())
+
+
+def _check_untied(model: keras.Model, what: str) -> None:
+    """Refuses weights shared by two of the layers that get copied (a custom layer reading another
+    layer's kernel): each copy would get its own variable, and fine-tuning would train them apart."""
+    owner = {}
+    for layer in _copied_layers(model):
+        for variable in getattr(layer, "weights", ()):
+            first = owner.setdefault(id(variable), layer)
+            if first is not layer:
+                raise ValueError(
+                    f"{what}(): weight {variable.path!r} is shared by layers {first.name!r} and "
+                    f"{layer.name!r} of model {model.name!r}. {what}() copies each layer, which "
+                    "would untie it (the copies would train apart). Compute both uses in one "
+                    "layer, or wrap the layer in tf_sparse24.Sparse24 in a subclassed model."
+                )
+
+
 def _matches(layer, selectors) -> bool:
     return any(
         s is layer or s == layer.name or (isinstance(s, type) and isinstance(layer, s))
@@ -171,7 +199,8 @@ def prune(
 
     Raises:
         TypeError / ValueError, before anything is changed: not a model, unbuilt model, bad pattern
-        or method, unknown layer names, NaN/Inf weights (naming the layer and weight).
+        or method, unknown layer names, NaN/Inf weights (naming the layer and weight), a weight
+        shared by two layers (tied: copies would untie it).
 
     Example:
         >>> pruned = tf_sparse24.prune(model)
@@ -182,6 +211,7 @@ def prune(
         raise TypeError(f"prune(): wrapper must be a Sparse24 subclass or a callable returning one. Received: wrapper={wrapper!r}")
     if not (isinstance(model, keras.Sequential) or _is_functional(model)):
         return _prune_subclassed(model, pattern, layers, skip, method)
+    _check_untied(model, "prune")
     plan = _plan(model, pattern, layers, skip, method)
     reached = set()
 
@@ -285,6 +315,7 @@ def strip(model: keras.Model) -> keras.Model:
 
     Raises:
         TypeError: for a subclassed model (its `call` names the wrappers; export it instead).
+        ValueError: a weight shared by two layers (as in `prune`).
     """
     _check_model(model, "strip")
     if not (isinstance(model, keras.Sequential) or _is_functional(model)):
@@ -292,6 +323,7 @@ def strip(model: keras.Model) -> keras.Model:
             f"strip() supports Sequential and Functional models. Received subclassed model "
             f"{model.name!r} ({type(model).__name__}); export it with tf_sparse24.export instead."
         )
+    _check_untied(model, "strip")
 
     def clone(layer):
         if not isinstance(layer, Sparse24):
