@@ -113,6 +113,9 @@ def test_high_level_compress_any_rank():
     np.testing.assert_allclose(
         y.numpy(), np.tensordot(x.astype(np.float64), w, 3), rtol=1e-5, atol=1e-5
     )
+    # No input channels (K = 0): still N = 4 columns, not the spatial taps folded in.
+    empty = ops.compress(np.zeros((3, 3, 0, 4), np.float32), axis=2)
+    assert (empty.values.shape, empty.meta.shape) == ((4, 0), (4, 0))
     # MHA output projection [heads, dim, d], axis 1.
     w = fmt.from_2d(random_24(rng, 16, 5, np.float32), (2, 8, 5))
     x = rng.standard_normal((4, 7, 2, 8)).astype(np.float32)
@@ -258,6 +261,20 @@ def test_gradients_match_dense(batch):
         np.testing.assert_allclose(got.numpy(), dx_ref.numpy(), rtol=1e-5, atol=1e-5)
     for got in (dvalues, dvalues2):
         np.testing.assert_allclose(got.numpy(), dvalues_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,k,n", [(0, 0, 4), (0, 8, 0), (3, 0, 4), (3, 8, 0), (0, 8, 4)])
+def test_gradients_of_empty_shapes_are_empty_zeros(m, k, n):
+    # reshape(t, [-1, n]) of an empty t gives one row, not zero: the gradient must not use it.
+    x = tf.constant(np.ones((m, k), np.float32))
+    values = tf.constant(np.ones((n, k // 2), np.float32))
+    meta = tf.constant(np.full((n, (k + 7) // 8), 0x44, np.uint8))
+    with tf.GradientTape() as tape:
+        tape.watch([x, values])
+        y = ops.sparse24_matmul(x, values, meta)
+    dx, dvalues = tape.gradient(y, [x, values])
+    np.testing.assert_array_equal(dx.numpy(), np.zeros((m, k), np.float32))
+    np.testing.assert_array_equal(dvalues.numpy(), np.zeros((n, k // 2), np.float32))
 
 
 def test_gradient_takes_k_from_x_when_values_shape_is_unknown():

@@ -190,8 +190,9 @@ def _sparse24_matmul_grad(op: tf.Operation, dy: tf.Tensor):
     k = _static_k(op, x.shape[-1] if x.shape.rank else None, values.shape[-1])
     n = tf.shape(values)[0]
     w = sparse24_decompress(values, meta, k)  # [K, N]
-    dy2 = tf.reshape(dy, [-1, n])
-    x2 = tf.reshape(x, [-1, k])
+    m = tf.reduce_prod(tf.shape(x)[:-1])  # not -1: an empty tensor would make that 1
+    dy2 = tf.reshape(dy, [m, n])
+    x2 = tf.reshape(x, [m, k])
     dx = tf.reshape(tf.matmul(dy2, w, transpose_b=True), tf.shape(x))
     dvalues = _gather_kept(tf.matmul(x2, dy2, transpose_a=True), meta, k)
     return dx, dvalues, None
@@ -285,8 +286,8 @@ def compress(w: tf.Tensor, axis: int = 0) -> CompressedWeight:
             f"the grouping axis must have a size that is a multiple of 4. Received: kernel shape "
             f"{shape}, axis={axis} (size {shape[axis]})"
         )
-    k = math.prod(shape[: axis + 1])
-    values, meta = sparse24_compress(tf.reshape(w, [k, -1]))
+    k, n = math.prod(shape[: axis + 1]), math.prod(shape[axis + 1 :])
+    values, meta = sparse24_compress(tf.reshape(w, [k, n]))
     return CompressedWeight(values=values, meta=meta, shape=shape, dtype=w.dtype, axis=axis)
 
 
