@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from test_masks import reference_mask
 
 import tf_sparse24 as ts
@@ -180,6 +181,9 @@ def test_subclassed_model_prune_returns_masked_copy():
         if wrapper is model.hidden:
             h = np.maximum(h, 0)
     np.testing.assert_allclose(pruned(x), h, rtol=1e-5, atol=1e-6)
+    assert pruned.built  # so prune/strip of the copy say what they say of the model
+    with pytest.raises(TypeError, match="supports Sequential and Functional"):
+        ts.strip(pruned)
     head_skipped = ts.prune(model, skip=[model.head])  # selection is kept in the copy
     hidden, head = ts.pruned_layers(head_skipped)
     assert hidden.pruned_weights[0].mask.numpy().mean() == 0.5
@@ -382,6 +386,31 @@ def test_layers_inside_a_nested_subclassed_model_are_an_error_not_a_silent_skip(
         ts.prune(model)
     assert names_of(ts.prune(model, skip=["tower"])) == ["out"]
     assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+
+
+def test_state_outside_the_weights_is_copied_adapted_preprocessing():
+    # An adapted Normalization derives its mean from stored statistics (finalize_state), a
+    # StringLookup keeps its vocabulary in a table, not a weight: set_weights copies neither.
+    rng = np.random.default_rng(3)
+    numbers = tf.constant(rng.normal(5.0, 3.0, size=(32, 8)).astype("float32"))
+    words = tf.constant([["red", "green", "blue", "red"][i % 4] for i in range(32)])[:, None]
+    norm, lookup = keras.layers.Normalization(name="norm"), keras.layers.StringLookup(name="vocab")
+    norm.adapt(numbers)
+    lookup.adapt(words)
+    num_in, word_in = keras.Input((8,)), keras.Input((1,), dtype="string")
+    h = keras.layers.Dense(8, name="d1")(norm(num_in))
+    e = keras.layers.Flatten()(keras.layers.Embedding(8, 4, name="emb")(lookup(word_in)))
+    out = keras.layers.Dense(4, name="d2")(keras.layers.Concatenate()([h, e]))
+    model = keras.Model([num_in, word_in], out)
+    pruned = ts.prune(model)
+    stripped = ts.strip(pruned)
+    for layer in ts.pruned_layers(pruned):  # the reference: the original, with the 2:4 kernels
+        pw = layer.pruned_weights[0]
+        model.get_layer(layer.layer.name).kernel.assign(np.asarray(layer.effective_weight(pw)))
+    want = np.asarray(model([numbers, words]))
+    for copy in (pruned, stripped):
+        np.testing.assert_array_equal(copy.get_layer("norm").mean, norm.mean)
+        np.testing.assert_allclose(np.asarray(copy([numbers, words])), want, atol=1e-6)
 
 
 @keras.saving.register_keras_serializable(package="test_prune")

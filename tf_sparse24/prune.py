@@ -14,6 +14,7 @@ in `Sparse24` with magnitude masks computed from the trained weights.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Callable, Iterable
 
 import keras
@@ -155,8 +156,31 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
     return plan
 
 
+def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
+    """Copies every layer's state under `source` into the same-structured `target` the way a
+    `.keras` file does: `save_own_variables` / `load_own_variables` (so an adapted Normalization
+    recomputes its mean and variance) and `save_assets` / `load_assets` (lookup vocabularies)."""
+    pairs = list(zip(source._flatten_layers(), target._flatten_layers()))
+    if len(pairs) != len(list(source._flatten_layers())) or any(
+        type(a) is not type(b) for a, b in pairs
+    ):
+        raise TypeError(
+            f"Cannot copy layer {source.name!r} ({type(source).__name__}): its copy made from "
+            "get_config() has other sublayers. Implement get_config() to rebuild the same layers."
+        )
+    for a, b in pairs:
+        store = {}
+        a.save_own_variables(store)
+        if store or b.weights:
+            b.load_own_variables(store)
+        if hasattr(a, "save_assets"):
+            with tempfile.TemporaryDirectory() as assets:
+                a.save_assets(assets)
+                b.load_assets(assets)
+
+
 def _copy_layer(layer):
-    """A fresh instance of `layer` with the same config, build and weights.
+    """A fresh instance of `layer` with the same config, build and state.
 
     Functional graphs also hold stateless operations (`h[:, 0]` becomes a `GetItem` node): those
     are copied from their config alone. A `Lambda` layer is shared, not copied: it holds no state,
@@ -165,9 +189,10 @@ def _copy_layer(layer):
     if isinstance(layer, keras.layers.Lambda) and not layer.weights:
         return layer
     new = layer.__class__.from_config(layer.get_config())
-    if isinstance(layer, keras.layers.Layer) and layer.built and layer.weights:
-        new.build_from_config(layer.get_build_config())
-        new.set_weights(layer.get_weights())
+    if isinstance(layer, keras.layers.Layer) and layer.built:
+        if layer.weights:
+            new.build_from_config(layer.get_build_config())
+        _copy_state(layer, new)
     return new
 
 
@@ -306,7 +331,8 @@ def _copy_model(model: keras.Model) -> keras.Model:
             "`for layer in tf_sparse24.pruned_layers(model): layer.update_masks()`."
         ) from err
     copy.build_from_config(model.get_build_config())
-    copy.set_weights(model.get_weights())
+    _copy_state(model, copy)
+    copy.built = True  # build_from_config builds the layers, not always the model's own flag
     return copy
 
 
