@@ -502,3 +502,20 @@ def test_lora_enabled_layers_are_skipped_with_the_reason():
     assert not ts.pruned_layers(pruned)
     (row,) = ts.report(pruned, print_fn=None)
     assert row.status == "skipped" and "LoRA" in row.reason
+
+
+def test_quantization_and_masks_do_not_mix_silently():
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(4, 16)).astype("float32")
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, name="d")])
+    quantized = ts.strip(ts.prune(model))
+    quantized.quantize("int8")  # the supported order: prune, strip, quantize; still 2:4
+    assert ts.is_nm_sparse(quantized.get_layer("d")._kernel.numpy().astype("float32"), "2:4", 0)
+    # Already quantized: skipped, with the reason.
+    (row,) = ts.report(ts.prune(quantized), print_fn=None)
+    assert row.status == "skipped" and "quantized ['d']" in row.reason
+    # Quantized after pruning: Keras rebuilds the kernel from the raw weight; the wrapper refuses.
+    pruned = ts.prune(model)
+    pruned.quantize("int8")
+    with pytest.raises(ValueError, match=r"\['d'\] inside 'd' were quantized.*strip\(model\)"):
+        pruned(x)

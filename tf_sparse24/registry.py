@@ -82,6 +82,17 @@ def lora_layers(layer: keras.layers.Layer, variables) -> list[str]:
     ]
 
 
+def quantized_layers(layer: keras.layers.Layer) -> list[str]:
+    """Names of the layers under `layer` (itself included) that Keras quantized
+    (`layer.quantize("int8")`, ...): the kernel they use is rebuilt from the raw weight, outside any
+    mask."""
+    return [
+        sub.name
+        for sub in layer._flatten_layers(include_self=True)
+        if getattr(sub, "quantization_mode", None)
+    ]
+
+
 def einsum_axis(equation: str, kernel_rank: int) -> int | str:
     """Grouping axis of an EinsumDense kernel, or the reason it is not prunable.
 
@@ -122,6 +133,8 @@ def scan_layer(
     Returns:
         `(eligible, reasons)`; `reasons` is empty when the layer is simply not a prunable kind.
     """
+    if quantized := quantized_layers(layer):
+        return [], [f"quantized {quantized}: prune the float model, then quantize strip(pruned)"]
     variables = relative_variables(layer)
     if isinstance(layer, PrunableLayer):
         named = {id(v): p for p, v in variables.items()}

@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_sparse24.masks import compute_mask, parse_pattern
-from tf_sparse24.registry import lora_layers, relative_variables, scan_layer
+from tf_sparse24.registry import lora_layers, quantized_layers, relative_variables, scan_layer
 
 
 @dataclasses.dataclass
@@ -65,12 +65,19 @@ class _MaskedRegularizer:
         return self.regularizer(x * keras.ops.cast(self.mask, x.dtype))
 
 
-def _check_no_lora(layer: keras.layers.Layer, variables) -> None:
+def _check_masks_apply(layer: keras.layers.Layer, variables) -> None:
+    """Refuses layers whose forward no longer reads the masked variables (LoRA, quantization)."""
     if names := lora_layers(layer, variables):
         raise ValueError(
             f"Sparse24: LoRA is enabled on {names} inside {layer.name!r}: the kernel it uses, "
             "kernel + lora_a @ lora_b, is dense, so it cannot be kept 2:4. Prune without LoRA, "
             "or fine-tune the pruned model without it."
+        )
+    if names := quantized_layers(layer):
+        raise ValueError(
+            f"Sparse24: {names} inside {layer.name!r} were quantized: the quantized kernel is "
+            "made from the raw weight, not the masked one, so it is not 2:4. Quantize the "
+            "stripped model instead: tf_sparse24.strip(model).quantize(...)."
         )
 
 
@@ -143,7 +150,7 @@ class Sparse24(keras.layers.Wrapper):
             )
             if var.regularizer is not None and not isinstance(var.regularizer, _MaskedRegularizer):
                 var.regularizer = _MaskedRegularizer(var.regularizer, mask)
-        _check_no_lora(self.layer, [pw.variable for pw in self.pruned_weights])
+        _check_masks_apply(self.layer, [pw.variable for pw in self.pruned_weights])
         self.built = True
 
     def __call__(self, *args, **kwargs):
@@ -197,7 +204,7 @@ class Sparse24(keras.layers.Wrapper):
             pw.mask.assign(mask)
 
     def call(self, *args, **kwargs):
-        _check_no_lora(self.layer, [pw.variable for pw in self.pruned_weights])
+        _check_masks_apply(self.layer, [pw.variable for pw in self.pruned_weights])
         masked = {
             id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights
         }
