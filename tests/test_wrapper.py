@@ -276,6 +276,29 @@ def test_stateful_rnn_carries_its_state_like_the_unwrapped_layer():
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
 
 
+class NormedDense(keras.layers.Layer):
+    """A block with state that each training call updates (BatchNormalization)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, name="fc")
+        self.norm = keras.layers.BatchNormalization(momentum=0.9, name="bn")
+
+    def call(self, x, training=None):
+        return self.norm(self.dense(x), training=training)
+
+
+def test_first_eager_call_of_an_unbuilt_wrapper_runs_the_layer_once():
+    x = np.random.default_rng(4).normal(size=(16, 12)).astype("float32")
+    wrapper = Sparse24(NormedDense(), weights={"fc/kernel": 0})  # unbuilt: built by the call
+    wrapper(x, training=True)
+    block = wrapper.layer
+    kernel, bias = (w.numpy().astype(np.float64) for w in (block.dense.kernel, block.dense.bias))
+    batch_mean = (x.astype(np.float64) @ kernel + bias).mean(axis=0)  # masks are ones
+    # One update from 0 with momentum 0.9; a second call would make it 0.1 + 0.09 of the mean.
+    np.testing.assert_allclose(block.norm.moving_mean.numpy(), 0.1 * batch_mean, rtol=1e-5)
+
+
 def test_regularizers_see_the_effective_weight():
     """Keras evaluates kernel regularizers on the raw variable, outside the wrapper's scope."""
     layer = keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.1))

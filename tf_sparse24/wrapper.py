@@ -81,6 +81,15 @@ def _check_masks_apply(layer: keras.layers.Layer, variables) -> None:
         )
 
 
+def _symbolic(value):
+    """A `KerasTensor` of a tensor's shape and dtype; anything else as it is."""
+    if isinstance(value, keras.KerasTensor) or not (
+        tf.is_tensor(value) or hasattr(value, "__array__") and hasattr(value, "shape")
+    ):
+        return value
+    return keras.KerasTensor(value.shape, keras.backend.standardize_dtype(value.dtype))
+
+
 @keras.saving.register_keras_serializable(package="tf_sparse24")
 class Sparse24(keras.layers.Wrapper):
     """Runs `layer` with N:M-masked weights; masks are non-trainable weights of the wrapper.
@@ -154,10 +163,12 @@ class Sparse24(keras.layers.Wrapper):
         self.built = True
 
     def __call__(self, *args, **kwargs):
-        if (
-            not self.layer.built
-        ):  # multi-input layers (MHA) build from their own call signature
-            self.layer(*args, **kwargs)
+        if not self.layer.built:
+            # Multi-input layers (MHA) build from their own call signature. A symbolic call builds
+            # without running the forward, whose state updates (moving statistics, RNN states)
+            # would otherwise happen twice on a first eager call.
+            symbolic_args, symbolic_kwargs = keras.tree.map_structure(_symbolic, (args, kwargs))
+            self.layer(*symbolic_args, **symbolic_kwargs)
         return super().__call__(*args, **kwargs)
 
     def compute_output_shape(self, *args, **kwargs):
