@@ -139,6 +139,46 @@ def test_dense_warmup_then_masks_at_start_step_then_periodic_updates():
     )  # recomputation can move masks (pruned weights keep their values)
 
 
+def test_warm_up_that_discards_computed_masks_says_so():
+    model = pruned_mlp()
+    compile_(model, keras.optimizers.Adam(0.05))
+    cb = ts.Sparse24Callback(start_step=2)
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[cb])
+    phase_one = masks(model)
+    compile_(model, keras.optimizers.Adam(0.01))  # a new optimizer starts again at step 0
+    with pytest.warns(UserWarning, match=r"before start_step=2: the masks of .* are reset"):
+        model.fit(X, Y, batch_size=64, epochs=1, verbose=0, callbacks=[cb])
+    assert all(m.min() == 1.0 for m in masks(model))  # as documented: dense until start_step
+    for layer, mask in zip(ts.pruned_layers(model), phase_one):  # phase two without start_step
+        layer.pruned_weights[0].mask.assign(mask)
+    compile_(model, keras.optimizers.Adam(0.01))
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[ts.Sparse24Callback()])
+    assert all(np.array_equal(a, b) for a, b in zip(masks(model), phase_one))
+
+
+class TwoWrapped(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = ts.Sparse24(keras.layers.Dense(16, activation="relu"))
+        self.head = ts.Sparse24(keras.layers.Dense(2))
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+def test_masks_due_at_step_0_of_a_model_built_by_fit_come_one_step_later():
+    keras.utils.set_random_seed(0)
+    model = TwoWrapped()  # unbuilt: Keras builds it inside the first train step
+    compile_(model, keras.optimizers.Adam(0.05))
+    recorder = Recorder()
+    with pytest.warns(UserWarning, match="not built before fit.*one step later"):
+        model.fit(X, Y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[ts.Sparse24Callback(start_step=0), recorder])
+    steps = {step: step_masks for step, _, step_masks in recorder.snapshots}
+    assert steps[0] == []  # no weights yet at step 0: Keras builds the model inside it
+    assert len(steps[1]) == 2 and all(m.mean() == 0.5 for m in steps[1])
+
+
 @pytest.mark.parametrize("keep_optimizer", [True, False])
 def test_resume_with_initial_epoch_does_not_recompute(keep_optimizer):
     model = pruned_mlp()

@@ -8,6 +8,8 @@ the callback reads the step from the optimizer and keeps only its schedule, rese
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 
@@ -65,6 +67,7 @@ class Sparse24Callback(keras.callbacks.Callback):
         self._layers = []
         self._offset = None  # added to optimizer.iterations; set at the first epoch of a fit()
         self._next = None  # the next step at which masks are computed, or None
+        self._warned_unbuilt = False
 
     def on_train_begin(self, logs=None):
         self._layers = pruned_layers(self.model)
@@ -74,6 +77,7 @@ class Sparse24Callback(keras.callbacks.Callback):
                 "call tf_sparse24.prune(model) first."
             )
         self._offset = self._next = None
+        self._warned_unbuilt = False
 
     def _iterations(self) -> int:
         # .numpy(): under tf.distribute `iterations` is a MirroredVariable; int() rejects it.
@@ -97,9 +101,24 @@ class Sparse24Callback(keras.callbacks.Callback):
             step = iterations + self._offset
             self._next = self._due_from(step)
             if self.start_step is not None and step < self.start_step:
-                for layer in self._layers:
-                    for pw in layer.pruned_weights:
-                        pw.mask.assign(np.ones(pw.mask.shape, pw.mask.dtype))
+                self._reset_masks(step)
+
+    def _reset_masks(self, step: int) -> None:
+        """Masks of ones for the dense warm-up; says so if that discards computed masks (a new
+        optimizer restarts `iterations` at 0)."""
+        weights = [(layer, pw) for layer in self._layers for pw in layer.pruned_weights]
+        if computed := [f"{layer.name}/{pw.name}" for layer, pw in weights
+                        if not np.all(pw.mask.numpy())]:
+            warnings.warn(
+                f"Sparse24Callback: step {step} (optimizer.iterations) is before start_step="
+                f"{self.start_step}: the masks of {computed} are reset to ones for the dense "
+                f"warm-up and computed again at step {self.start_step}. If they come from an "
+                "earlier fine-tuning phase (a new optimizer starts at step 0), use "
+                "Sparse24Callback() without start_step to keep them.",
+                stacklevel=2,
+            )
+        for _, pw in weights:
+            pw.mask.assign(np.ones(pw.mask.shape, pw.mask.dtype))
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._next is None:
@@ -107,6 +126,19 @@ class Sparse24Callback(keras.callbacks.Callback):
         step = self._iterations() + self._offset
         # A step due inside the previous execution (steps_per_execution > 1) runs now, once.
         if self._next <= step:
+            if not all(layer.built for layer in self._layers):
+                # Keras builds a model it was given unbuilt inside the first train step, after
+                # this callback: the computation waits for the next batch.
+                if not self._warned_unbuilt:
+                    self._warned_unbuilt = True
+                    warnings.warn(
+                        f"Sparse24Callback: model {self.model.name!r} was not built before fit(),"
+                        f" so the masks due at step {self._next} are computed once Keras has "
+                        "built it, one step later. Build it first (call it on a batch) to have "
+                        "them on time.",
+                        stacklevel=2,
+                    )
+                return
             for layer in self._layers:
                 layer.update_masks(self.method)
             self._next = self._due_from(step + 1)
