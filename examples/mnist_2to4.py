@@ -59,7 +59,7 @@ def build_model(k=keras) -> keras.Model:
     """
     return k.Sequential(
         [
-            k.Input((28, 28, 1)),
+            k.Input((28, 28, 1), name="pixels"),
             k.layers.Conv2D(16, 3, activation="relu", name="conv1"),
             k.layers.MaxPooling2D(),
             k.layers.Conv2D(32, 3, activation="relu", name="conv2"),

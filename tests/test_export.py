@@ -758,6 +758,22 @@ def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):
         load(target)
 
 
+def test_automatic_layer_names_do_not_become_signature_keys(tmp_path):
+    """`dense_3` depends on how many Dense layers the process made before: not a stable key."""
+    keys = []
+    for run in range(2):  # the same model twice in one process: other automatic names
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(4)])
+        prune_plain_layers(model)
+        keys.append(sorted(export(model, tmp_path / str(run) / "1")["signature"]["outputs"]))
+    assert keys == [["output_0"], ["output_0"]]
+    inp = keras.Input((8,), name="features")
+    h = keras.layers.Dense(8)(inp)
+    model = keras.Model(inp, [keras.layers.Dense(4, name="scores")(h), keras.layers.Dense(4)(h)])
+    prune_plain_layers(model)
+    outputs = export(model, tmp_path / "mixed" / "1")["signature"]["outputs"]
+    assert sorted(outputs) == ["output_1", "scores"]  # a chosen name is kept
+
+
 def test_signature_names_order_and_precision_survive_verify(tmp_path):
     """Inputs not in sorted order, output keys that map to one identifier, and mixed precision
     with a float32 head: served like the Keras model, and `verify --against` agrees."""

@@ -47,6 +47,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.utils.naming import to_snake_case
 
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
@@ -407,12 +408,23 @@ def signature_output_names(model: keras.Model, outputs) -> list[str]:
     flat = keras.tree.flatten(outputs)
     names = list(getattr(model, "output_names", None) or [])
     layers = {layer.name: layer for layer in getattr(model, "layers", [])}
-    names = [
-        layers[n].layer.name if isinstance(layers.get(n), Sparse24) else n for n in names
-    ]
-    if len(names) != len(flat) or len(set(names)) != len(names):
+    names = [_chosen_name(layers.get(n), n) for n in names]
+    chosen = [n for n in names if n]
+    if len(names) != len(flat) or len(set(chosen)) != len(chosen):
         names = [f"output_{i}" for i in range(len(flat))]
     return unique_names([_identifier(n, f"output_{i}") for i, n in enumerate(names)])
+
+
+def _chosen_name(layer, name: str) -> str:
+    """The name of an output layer (the wrapped layer's, for a `Sparse24`), or "" for a name
+    Keras made up (`dense_3`: class name and a counter that depends on creation order)."""
+    if isinstance(layer, Sparse24):
+        layer, name = layer.layer, layer.layer.name
+    if layer is not None and re.fullmatch(
+        re.escape(to_snake_case(type(layer).__name__)) + r"(_\d+)?", name
+    ):
+        return ""
+    return name
 
 
 class _DenseKernel(tf.saved_model.experimental.TrackableResource):
