@@ -34,8 +34,8 @@ NVCC=${NVCC:-$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")}
 BUILD=${GPU_CHECK_BUILD:-build/gpu_check}
 LOG_DIR=${OUT:-$BUILD}
 
-# First file matching one of the names: nvidia wheels on the Python path, then CUDA_HOME,
-# then the loader cache. Prints nothing if none is found.
+# First file matching one of the names: nvidia wheels on the Python path and in the project's
+# .venv, then CUDA_HOME, then the loader cache. Prints nothing if none is found.
 find_file() {
   "$PYTHON" - "$CUDA_HOME" "$@" <<'EOF' 2>/dev/null || true
 import glob, os, site, subprocess, sys, sysconfig
@@ -48,6 +48,7 @@ for getter in (site.getsitepackages, lambda: [site.getusersitepackages()],
         roots += [r for r in getter() if r not in roots]
     except Exception:
         pass
+roots += sorted(map(os.path.abspath, glob.glob(".venv/lib/python3*/site-packages")))  # make test
 for name in names:
     for root in roots:
         for sub in ("nvidia/*/lib", "nvidia/*/include", "nvidia/lib", "nvidia/include"):

@@ -86,7 +86,7 @@ def test_verify_reports_a_corrupted_tensor(exported, tmp_path, capsys):
 
 def test_export_refuses_an_existing_directory(exported, capsys):
     assert main(["export", exported["keras"], exported["dir"]]) == 1
-    assert "pass overwrite=True" in capsys.readouterr().err
+    assert "pass --overwrite to replace it" in capsys.readouterr().err
 
 
 def test_usage_errors_exit_2(capsys):

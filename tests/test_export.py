@@ -191,6 +191,7 @@ def test_export_layout_and_metadata(mixed):
 def test_load_checks_and_serves(mixed):
     loaded = load(mixed["portable"])
     assert loaded.sparse24_metadata == mixed["metadata"]
+    assert json.loads(json.dumps(loaded.sparse24_metadata)) == mixed["metadata"]  # a plain dict
     assert json.loads(loaded.metadata().numpy()) == mixed["metadata"]
     out = loaded.signatures["serving_default"](pixels=tf.constant(mixed["x"]))
     np.testing.assert_allclose(out["logits"].numpy(), mixed["y"], rtol=1e-5, atol=1e-5)

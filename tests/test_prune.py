@@ -182,6 +182,9 @@ def test_subclassed_model_prune_returns_masked_copy():
             h = np.maximum(h, 0)
     np.testing.assert_allclose(pruned(x), h, rtol=1e-5, atol=1e-6)
     assert pruned.built  # so prune/strip of the copy say what they say of the model
+    with pytest.raises(ValueError, match=r"pattern='1:4', but the Sparse24 layers \[.*\] of"):
+        ts.prune(model, "1:4")  # the wrappers' own pattern (2:4) would be used: refused
+    assert ts.prune(model, "2:4").built
     with pytest.raises(TypeError, match="supports Sequential and Functional"):
         ts.strip(pruned)
     head_skipped = ts.prune(model, skip=[model.head])  # selection is kept in the copy

@@ -2,7 +2,7 @@
 
     python -m tf_sparse24 export MODEL.keras models/name/1 [--mode portable|accelerated]
                                  [--overwrite]
-    python -m tf_sparse24 inspect models/name/1
+    python -m tf_sparse24 inspect models/name/1 [--json]
     python -m tf_sparse24 verify models/name/1 [--against MODEL.keras]
 
 Also installed as the `tf_sparse24` console script. Exit status: 0 on success, 1 on a failed
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up noise out
-    import keras  # noqa: PLC0415  (heavy imports after argument parsing, so --help is instant)
+    import keras  # noqa: PLC0415  (heavy imports after argument parsing)
 
     import tf_sparse24  # noqa: F401, PLC0415  (registers the Sparse24 wrapper for load_model)
     from tf_sparse24 import metadata as md  # noqa: PLC0415
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "export":
+            if os.path.exists(args.export_dir) and not args.overwrite:  # before loading the model
+                raise FileExistsError(f"{args.export_dir} exists; pass --overwrite to replace it")
             model = keras.saving.load_model(args.model, compile=False)
             metadata = export(model, args.export_dir, args.mode, args.overwrite)
             print(f"exported {len(metadata['sparse'])} compressed weights to {args.export_dir}")

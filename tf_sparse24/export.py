@@ -220,7 +220,8 @@ def load(export_dir: str | os.PathLike) -> Any:
                 f"{md.sha256(value)}, the metadata says {record['sha256']}; the variables were "
                 "modified or corrupted"
             )
-    loaded.sparse24_metadata = metadata
+    # Not through the tracking __setattr__, which would wrap the dict (json.dumps refuses that).
+    object.__setattr__(loaded, "sparse24_metadata", metadata)
     return loaded
 
 

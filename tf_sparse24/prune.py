@@ -198,7 +198,7 @@ def _copy_layer(layer):
 
 def prune(
     model: keras.Model,
-    pattern: str = "2:4",
+    pattern: str | None = None,
     *,
     layers: Iterable | None = None,
     skip: Iterable | None = None,
@@ -211,7 +211,8 @@ def prune(
 
     Args:
         model: a built keras.Model (Sequential, Functional, or subclassed with `Sparse24` layers).
-        pattern: "N:M", keep N of every M.
+        pattern: "N:M", keep N of every M; None: "2:4" (a subclassed model's wrappers keep the
+            pattern they were made with; a different one is an error).
         layers: only prune these (layer names, layer objects or layer classes).
         skip: never prune these (same forms).
         method: mask method, a key of `tf_sparse24.masks.MASK_METHODS`.
@@ -236,6 +237,7 @@ def prune(
         raise TypeError(f"prune(): wrapper must be a Sparse24 subclass or a callable returning one. Received: wrapper={wrapper!r}")
     if not (isinstance(model, keras.Sequential) or _is_functional(model)):
         return _prune_subclassed(model, pattern, layers, skip, method)
+    pattern = pattern or "2:4"
     _check_untied(model, "prune")
     plan = _plan(model, pattern, layers, skip, method)
     reached = set()
@@ -285,13 +287,14 @@ def _planned_weights(layer, copy, plan: dict[int, dict], reached: set[int]) -> d
     return spec
 
 
-def _prune_subclassed(model, pattern: str, layers, skip, method: str) -> keras.Model:
+def _prune_subclassed(model, pattern: str | None, layers, skip, method: str) -> keras.Model:
     """Copies a subclassed model and sets magnitude masks in its (selected) Sparse24 layers.
 
-    The wrappers keep their own pattern. Masks are matched by position, since a copy made from
-    the config gets fresh layer names.
+    The wrappers keep their own pattern (their `call` is the model's code, not rebuilt here).
+    Masks are matched by position, since a copy made from the config gets fresh layer names.
     """
-    parse_pattern(pattern)
+    if pattern is not None:
+        parse_pattern(pattern)
     layers = _check_selectors(model, layers, "layers")
     skip = _check_selectors(model, skip, "skip")
     wrappers = pruned_layers(model)
@@ -300,6 +303,12 @@ def _prune_subclassed(model, pattern: str, layers, skip, method: str) -> keras.M
             f"prune(): subclassed model {model.name!r} ({type(model).__name__}) has no Sparse24 "
             "layers. Wrap its prunable layers with tf_sparse24.Sparse24 in __init__ (see "
             "docs/USAGE.md), or build it as a Sequential/Functional model."
+        )
+    if pattern is not None and (other := [w.name for w in wrappers if w.pattern != pattern]):
+        raise ValueError(
+            f"prune(): pattern={pattern!r}, but the Sparse24 layers {other} of subclassed model "
+            f"{model.name!r} were made with another pattern, which they keep. Set the pattern "
+            "where the model makes them (Sparse24(layer, pattern)), or omit it here."
         )
     masks = {
         i: [
