@@ -125,6 +125,7 @@ def _keep_and_finite(
     return method(groups, n), finite
 
 
+@tf.autograph.experimental.do_not_convert  # plain Python: its eager/graph branch is deliberate
 def compute_mask(
     weight,
     pattern: str = "2:4",
