@@ -127,7 +127,7 @@ def _keep_and_finite(
 
 @tf.autograph.experimental.do_not_convert  # plain Python: its eager/graph branch is deliberate
 def compute_mask(
-    weight,
+    weight: tf.Tensor | tf.Variable | np.ndarray,
     pattern: str = "2:4",
     axis: int = 0,
     method: str = "magnitude",
@@ -177,7 +177,7 @@ def compute_mask(
     return tf.reshape(tf.cast(keep, w.dtype), w.shape)
 
 
-def is_nm_sparse(weight, pattern: str = "2:4", axis: int = 0) -> bool:
+def is_nm_sparse(weight: tf.Tensor | tf.Variable | np.ndarray, pattern: str = "2:4", axis: int = 0) -> bool:
     """True if every group of M consecutive elements along `axis` has at most N non-zeros."""
     n, m = parse_pattern(pattern)
     w = tf.convert_to_tensor(weight)

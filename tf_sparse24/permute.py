@@ -27,8 +27,13 @@ import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # keras is imported where the Keras side runs
+    import keras
 
 _EPS = 1e-6  # gains below this (in summed |w|) are noise: stop searching
 
@@ -481,13 +486,13 @@ def _producer_of(model, name: str, graph) -> tuple[str | None, str]:
 
 
 def permute(
-    model,
+    model: keras.Model,
     *,
-    layers=None,
+    layers: Iterable | None = None,
     kicks: int | None = None,
     seed: int = 0,
     progress: bool = True,
-    print_fn=None,
+    print_fn: Callable[[str], None] | None = None,
 ) -> tuple:
     """Returns a copy of `model` with input channels reordered to keep more magnitude under 2:4.
 

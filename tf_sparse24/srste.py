@@ -51,7 +51,7 @@ class SRSTE(Sparse24):
 
     def __init__(
         self,
-        layer,
+        layer: keras.layers.Layer,
         pattern: str = "2:4",
         weights: dict | None = None,
         decay: float = DEFAULT_DECAY,

@@ -110,7 +110,11 @@ class Sparse24(keras.layers.Wrapper):
     """
 
     def __init__(
-        self, layer, pattern: str = "2:4", weights: dict | None = None, **kwargs
+        self,
+        layer: keras.layers.Layer,
+        pattern: str = "2:4",
+        weights: dict[str, int] | None = None,
+        **kwargs,
     ):
         parse_pattern(pattern)
         kwargs.setdefault("name", f"sparse24_{layer.name}")
