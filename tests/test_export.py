@@ -26,7 +26,14 @@ import tf_sparse24
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
 from tf_sparse24 import portable
-from tf_sparse24.export import einsum_matmul, export, graph_ops, load, nonstock_ops
+from tf_sparse24.export import (
+    einsum_matmul,
+    export,
+    graph_ops,
+    load,
+    nonstock_ops,
+    signature_output_names,
+)
 from tf_sparse24.metadata import ExportError
 from tf_sparse24.registry import eligible_weights
 from tf_sparse24.verify import _input_order, describe, verify
@@ -773,6 +780,8 @@ def test_automatic_layer_names_do_not_become_signature_keys(tmp_path):
     prune_plain_layers(model)
     outputs = export(model, tmp_path / "mixed" / "1")["signature"]["outputs"]
     assert sorted(outputs) == ["output_1", "scores"]  # a chosen name is kept
+    ends_in_an_op = keras.Model(inp, keras.ops.softmax(keras.layers.Dense(4, name="p")(h)))
+    assert signature_output_names(ends_in_an_op, ends_in_an_op.outputs) == ["output_0"]
 
 
 def test_signature_names_order_and_precision_survive_verify(tmp_path):

@@ -501,10 +501,33 @@ def test_lambda_layers_are_kept_as_they_are():
 def test_lora_enabled_layers_are_skipped_with_the_reason():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")])
     model.layers[0].enable_lora(2)
+    model.layers[0].lora_kernel_b.assign(np.ones((2, 4), "float32"))  # trained adapters
     pruned = ts.prune(model)
     assert not ts.pruned_layers(pruned)
     (row,) = ts.report(pruned, print_fn=None)
     assert row.status == "skipped" and "LoRA" in row.reason
+    # Copied as they are: a .keras file would merge the adapters into the kernel and zero them.
+    for copy in (pruned, ts.strip(pruned)):
+        for got, want in zip(copy.get_weights(), model.get_weights()):
+            np.testing.assert_array_equal(got, want)
+
+
+class Post(keras.layers.Layer):
+    """No weights of its own; makes its sublayers in build()."""
+
+    def build(self, shape):
+        self.act = keras.layers.Activation("relu")
+        self.drop = keras.layers.Dropout(0.1)
+
+    def call(self, x, training=None):
+        return self.drop(self.act(x), training=training)
+
+
+def test_weightless_layer_with_sublayers_made_in_build_is_copied():
+    inp = keras.Input((16,))
+    out = keras.layers.Dense(4, name="d2")(Post(name="post")(keras.layers.Dense(16, name="d1")(inp)))
+    model = keras.Model(inp, out)
+    assert names_of(ts.prune(model)) == ["d1", "d2"]
 
 
 def test_quantization_and_masks_do_not_mix_silently():

@@ -299,6 +299,26 @@ def test_first_eager_call_of_an_unbuilt_wrapper_runs_the_layer_once():
     np.testing.assert_allclose(block.norm.moving_mean.numpy(), 0.1 * batch_mean, rtol=1e-5)
 
 
+class RaggedDense(keras.layers.Layer):
+    """Takes a ragged batch, which a symbolic call cannot stand for."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4, name="fc")
+
+    def call(self, x):
+        return self.dense(x.to_tensor(shape=[None, 8]))
+
+
+def test_first_call_with_inputs_a_symbolic_call_cannot_stand_for():
+    ragged = tf.ragged.constant([[1.0] * 8, [2.0] * 4])
+    dense = ragged.to_tensor(shape=[None, 8]).numpy()
+    unbuilt = Sparse24(RaggedDense(), weights={"fc/kernel": 0})  # the real call builds it
+    got = np.asarray(unbuilt(ragged))
+    layer = unbuilt.layer.dense
+    np.testing.assert_allclose(got, dense @ layer.kernel.numpy() + layer.bias.numpy(), rtol=1e-6)
+
+
 def test_regularizers_see_the_effective_weight():
     """Keras evaluates kernel regularizers on the raw variable, outside the wrapper's scope."""
     layer = keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.1))

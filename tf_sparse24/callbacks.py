@@ -9,12 +9,17 @@ the callback reads the step from the optimizer and keeps only its schedule, rese
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import keras
 import numpy as np
 
 from tf_sparse24.masks import is_nm_sparse
 from tf_sparse24.prune import pruned_layers
+
+# Wrappers whose masks a Sparse24Callback computed in this process (not those prune() computed):
+# a later warm-up that resets them says so.
+_COMPUTED_IN_TRAINING: weakref.WeakSet = weakref.WeakSet()
 
 
 class Sparse24Callback(keras.callbacks.Callback):
@@ -104,11 +109,11 @@ class Sparse24Callback(keras.callbacks.Callback):
                 self._reset_masks(step)
 
     def _reset_masks(self, step: int) -> None:
-        """Masks of ones for the dense warm-up; says so if that discards computed masks (a new
-        optimizer restarts `iterations` at 0)."""
+        """Masks of ones for the dense warm-up; says so if that discards masks computed during an
+        earlier fit (a new optimizer restarts `iterations` at 0)."""
         weights = [(layer, pw) for layer in self._layers for pw in layer.pruned_weights]
         if computed := [f"{layer.name}/{pw.name}" for layer, pw in weights
-                        if not np.all(pw.mask.numpy())]:
+                        if layer in _COMPUTED_IN_TRAINING and not np.all(pw.mask.numpy())]:
             warnings.warn(
                 f"Sparse24Callback: step {step} (optimizer.iterations) is before start_step="
                 f"{self.start_step}: the masks of {computed} are reset to ones for the dense "
@@ -126,7 +131,7 @@ class Sparse24Callback(keras.callbacks.Callback):
         step = self._iterations() + self._offset
         # A step due inside the previous execution (steps_per_execution > 1) runs now, once.
         if self._next <= step:
-            if not all(layer.built for layer in self._layers):
+            if not self.model.built:
                 # Keras builds a model it was given unbuilt inside the first train step, after
                 # this callback: the computation waits for the next batch.
                 if not self._warned_unbuilt:
@@ -141,6 +146,7 @@ class Sparse24Callback(keras.callbacks.Callback):
                 return
             for layer in self._layers:
                 layer.update_masks(self.method)
+                _COMPUTED_IN_TRAINING.add(layer)
             self._next = self._due_from(step + 1)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -408,7 +408,8 @@ def signature_output_names(model: keras.Model, outputs) -> list[str]:
         return unique_names([_identifier(k, f"output_{i}") for i, k in enumerate(sorted(outputs))])
     flat = keras.tree.flatten(outputs)
     names = list(getattr(model, "output_names", None) or [])
-    layers = {layer.name: layer for layer in getattr(model, "layers", [])}
+    # operations: also the ops a Functional model ends in (keras.ops.softmax: "softmax_1").
+    layers = {op.name: op for op in getattr(model, "operations", None) or model.layers}
     names = [_chosen_name(layers.get(n), n) for n in names]
     chosen = [n for n in names if n]
     if len(names) != len(flat) or len(set(chosen)) != len(chosen):
@@ -417,8 +418,9 @@ def signature_output_names(model: keras.Model, outputs) -> list[str]:
 
 
 def _chosen_name(layer, name: str) -> str:
-    """The name of an output layer (the wrapped layer's, for a `Sparse24`), or "" for a name
-    Keras made up (`dense_3`: class name and a counter that depends on creation order)."""
+    """The name of an output layer or op (the wrapped layer's, for a `Sparse24`), or "" for a name
+    Keras made up (`dense_3`: the snake-cased class name and a counter that depends on creation
+    order; a layer named so on purpose is taken for one)."""
     if isinstance(layer, Sparse24):
         layer, name = layer.layer, layer.layer.name
     if layer is not None and re.fullmatch(

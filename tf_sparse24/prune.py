@@ -157,18 +157,23 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
 
 
 def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
-    """Copies every layer's state under `source` into the same-structured `target` the way a
-    `.keras` file does: `save_own_variables` / `load_own_variables` (so an adapted Normalization
-    recomputes its mean and variance) and `save_assets` / `load_assets` (lookup vocabularies)."""
-    pairs = list(zip(source._flatten_layers(), target._flatten_layers()))
-    if len(pairs) != len(list(source._flatten_layers())) or any(
-        type(a) is not type(b) for a, b in pairs
-    ):
+    """Copies the state of every layer under `source` into its same-structured copy `target`.
+
+    First as a `.keras` file would, layer by layer: `save_own_variables` / `load_own_variables` (an
+    adapted Normalization recomputes its mean and variance) and `save_assets` / `load_assets`
+    (lookup vocabularies). Then the variables as they are (`set_weights`): Keras saves a LoRA
+    layer's kernel merged with its adapters and zeroes the adapters on loading.
+    """
+    sources, targets = list(source._flatten_layers()), list(target._flatten_layers())
+    if len(sources) != len(targets) or any(type(a) is not type(b) for a, b in zip(sources, targets)):
+        if not source.weights and not any(hasattr(a, "save_assets") for a in sources):
+            return  # nothing to copy (sublayers its build() makes: the copy is unbuilt)
         raise TypeError(
-            f"Cannot copy layer {source.name!r} ({type(source).__name__}): its copy made from "
-            "get_config() has other sublayers. Implement get_config() to rebuild the same layers."
+            f"Cannot copy layer {source.name!r} ({type(source).__name__}): the copy made from its "
+            f"get_config() and build config has other sublayers ({len(targets)} layers, not "
+            f"{len(sources)})."
         )
-    for a, b in pairs:
+    for a, b in zip(sources, targets):
         store = {}
         a.save_own_variables(store)
         if store or b.weights:
@@ -177,6 +182,7 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
             with tempfile.TemporaryDirectory() as assets:
                 a.save_assets(assets)
                 b.load_assets(assets)
+    target.set_weights(source.get_weights())
 
 
 def _copy_layer(layer):
@@ -237,7 +243,7 @@ def prune(
         raise TypeError(f"prune(): wrapper must be a Sparse24 subclass or a callable returning one. Received: wrapper={wrapper!r}")
     if not (isinstance(model, keras.Sequential) or _is_functional(model)):
         return _prune_subclassed(model, pattern, layers, skip, method)
-    pattern = pattern or "2:4"
+    pattern = "2:4" if pattern is None else pattern
     _check_untied(model, "prune")
     plan = _plan(model, pattern, layers, skip, method)
     reached = set()

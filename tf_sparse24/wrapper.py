@@ -13,9 +13,11 @@ mask recomputation can bring them back; everything that leaves the model (`strip
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_sparse24.masks import compute_mask, parse_pattern
@@ -82,12 +84,13 @@ def _check_masks_apply(layer: keras.layers.Layer, variables) -> None:
 
 
 def _symbolic(value):
-    """A `KerasTensor` of a tensor's shape and dtype; anything else as it is."""
-    if isinstance(value, keras.KerasTensor) or not (
-        tf.is_tensor(value) or hasattr(value, "__array__") and hasattr(value, "shape")
-    ):
-        return value
-    return keras.KerasTensor(value.shape, keras.backend.standardize_dtype(value.dtype))
+    """A `KerasTensor` standing for a dense tensor or a numpy array; anything else as it is."""
+    if isinstance(value, tf.Tensor):
+        return keras.KerasTensor(value.shape, value.dtype.name)
+    if isinstance(value, np.ndarray) and value.ndim and value.dtype.kind in "biufcUSO":
+        dtype = "string" if value.dtype.kind in "USO" else value.dtype.name
+        return keras.KerasTensor(value.shape, dtype)
+    return value
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse24")
@@ -170,9 +173,13 @@ class Sparse24(keras.layers.Wrapper):
         if not self.layer.built:
             # Multi-input layers (MHA) build from their own call signature. A symbolic call builds
             # without running the forward, whose state updates (moving statistics, RNN states)
-            # would otherwise happen twice on a first eager call.
-            symbolic_args, symbolic_kwargs = keras.tree.map_structure(_symbolic, (args, kwargs))
-            self.layer(*symbolic_args, **symbolic_kwargs)
+            # would otherwise happen twice on a first eager call. Inputs it cannot stand for
+            # (ragged tensors, Python that needs the data) fall back to a real call.
+            with contextlib.suppress(Exception):  # the real call below raises what is real
+                symbolic = keras.tree.map_structure(_symbolic, (args, kwargs))
+                self.layer(*symbolic[0], **symbolic[1])
+            if not self.layer.built:
+                self.layer(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     def compute_output_shape(self, *args, **kwargs):
