@@ -11,7 +11,7 @@ $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet "tensorflow==2.21.*"
-	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[test,examples]"
 	touch $(STAMP) tf_sparse24/.ops-built
 
 # Rebuild the op library in place when C++ sources change (pip install -e built it once).

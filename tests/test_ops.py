@@ -1,6 +1,7 @@
 """The sparse24 TF ops against the numpy reference (format.py), float64 numpy and dense TF."""
 
 import re
+import subprocess
 
 import ml_dtypes
 import numpy as np
@@ -492,6 +493,20 @@ def test_missing_or_foreign_library_gives_clear_error(monkeypatch, tmp_path):
         ops.OpLibraryError,
         match=rf"could not load .*_sparse24_ops.so.* into TensorFlow {tf.__version__}",
     ):
+        ops.load_library()
+    assert ops._library is None
+
+
+def test_library_without_the_ops_is_refused(monkeypatch, tmp_path):
+    # What a build from a source tree without cc/ used to install: a library that loads but
+    # registers nothing (the error only came with the first op call).
+    empty = tmp_path / "_sparse24_ops.so"
+    (tmp_path / "empty.cc").write_text("int tf_sparse24_nothing() { return 0; }\n")
+    subprocess.run(["g++", "-shared", "-fPIC", str(tmp_path / "empty.cc"), "-o", str(empty)],
+                   check=True)
+    monkeypatch.setattr(ops, "_library", None)
+    monkeypatch.setattr(ops, "library_path", lambda: str(empty))
+    with pytest.raises(ops.OpLibraryError, match=r"does not define the ops \['sparse24_compress'"):
         ops.load_library()
     assert ops._library is None
 

@@ -52,6 +52,9 @@ def _built_tf_version(path: str) -> str:
     return fn().decode()
 
 
+OP_NAMES = ("sparse24_compress", "sparse24_decompress", "sparse24_mat_mul")  # the op module's
+
+
 def load_library() -> ModuleType:
     """Loads the op library once per process and returns its op module.
 
@@ -81,6 +84,11 @@ def load_library() -> ModuleType:
                 f"could not load the tf_sparse24 op library {path} (built for TensorFlow "
                 f"{_built_tf_version(path)}) into TensorFlow {tf.__version__}: {e}. {rebuild}"
             ) from e
+        missing = [op for op in OP_NAMES if not hasattr(library, op)]
+        if missing:  # e.g. built from a source tree without cc/: a library with no kernels
+            raise OpLibraryError(
+                f"the tf_sparse24 op library {path} does not define the ops {missing}. {rebuild}"
+            )
         built = _built_tf_version(path)
         if built != "unknown" and built.split(".")[:2] != tf.__version__.split(".")[:2]:
             raise OpLibraryError(
