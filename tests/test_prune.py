@@ -525,7 +525,8 @@ class Post(keras.layers.Layer):
 
 def test_weightless_layer_with_sublayers_made_in_build_is_copied():
     inp = keras.Input((16,))
-    out = keras.layers.Dense(4, name="d2")(Post(name="post")(keras.layers.Dense(16, name="d1")(inp)))
+    h = Post(name="post")(keras.layers.Dense(16, name="d1")(inp))
+    out = keras.layers.Dense(4, name="d2")(h)
     model = keras.Model(inp, out)
     assert names_of(ts.prune(model)) == ["d1", "d2"]
 

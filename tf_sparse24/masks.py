@@ -177,7 +177,9 @@ def compute_mask(
     return tf.reshape(tf.cast(keep, w.dtype), w.shape)
 
 
-def is_nm_sparse(weight: tf.Tensor | tf.Variable | np.ndarray, pattern: str = "2:4", axis: int = 0) -> bool:
+def is_nm_sparse(
+    weight: tf.Tensor | tf.Variable | np.ndarray, pattern: str = "2:4", axis: int = 0
+) -> bool:
     """True if every group of M consecutive elements along `axis` has at most N non-zeros."""
     n, m = parse_pattern(pattern)
     w = tf.convert_to_tensor(weight)

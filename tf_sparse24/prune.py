@@ -86,7 +86,8 @@ def _copied_layers(model: keras.Model) -> list:
 
 def _check_untied(model: keras.Model, what: str) -> None:
     """Refuses weights shared by two of the layers that get copied (a custom layer reading another
-    layer's kernel): each copy would get its own variable, and fine-tuning would train them apart."""
+    layer's kernel): each copy would get its own variable, and fine-tuning would train them
+    apart."""
     owner = {}
     for layer in _copied_layers(model):
         for variable in getattr(layer, "weights", ()):
@@ -165,7 +166,7 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
     layer's kernel merged with its adapters and zeroes the adapters on loading.
     """
     sources, targets = list(source._flatten_layers()), list(target._flatten_layers())
-    if len(sources) != len(targets) or any(type(a) is not type(b) for a, b in zip(sources, targets)):
+    if [type(a) for a in sources] != [type(b) for b in targets]:
         if not source.weights and not any(hasattr(a, "save_assets") for a in sources):
             return  # nothing to copy (sublayers its build() makes: the copy is unbuilt)
         raise TypeError(
