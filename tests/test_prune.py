@@ -546,3 +546,33 @@ def test_quantization_and_masks_do_not_mix_silently():
     pruned.quantize("int8")
     with pytest.raises(ValueError, match=r"\['d'\] inside 'd' were quantized.*strip\(model\)"):
         pruned(x)
+
+
+class StatefulTagger(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fc = ts.Sparse24(keras.layers.Dense(8))
+        self.rnn = keras.layers.LSTM(4, stateful=True)
+
+    def call(self, x):
+        return self.rnn(self.fc(x))
+
+
+def test_stateful_rnn_state_is_copied_and_an_uncopyable_subclassed_model_is_named():
+    x = np.random.default_rng(6).normal(size=(2, 3, 8)).astype("float32")
+    inp = keras.Input((3, 8), batch_size=2)
+    model = keras.Model(inp, keras.layers.LSTM(8, stateful=True, name="rnn")(inp))
+    model(x)  # the state has moved on: a copy must go on from there
+    state = [s.numpy() for s in model.get_layer("rnn").states]
+    assert np.abs(state[0]).max() > 0.05
+    pruned = ts.prune(model)
+    for copy in (pruned, ts.strip(pruned)):
+        rnn = next(l for l in copy._flatten_layers() if isinstance(l, keras.layers.LSTM))
+        for got, want in zip(rnn.states, state):
+            np.testing.assert_array_equal(got.numpy(), want)
+    # A subclassed model whose stateful LSTM its build config cannot rebuild: named, with the
+    # in-place alternative, instead of Keras' "was never built ... weights file" error.
+    tagger = StatefulTagger()
+    tagger(x)
+    with pytest.raises(TypeError, match=r"layers \[.*lstm.*\] are not built.*in place"):
+        ts.prune(tagger)

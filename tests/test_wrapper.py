@@ -288,10 +288,11 @@ class NormedDense(keras.layers.Layer):
         return self.norm(self.dense(x), training=training)
 
 
-def test_first_eager_call_of_an_unbuilt_wrapper_runs_the_layer_once():
+@pytest.mark.parametrize("kind", ["numpy", "variable"])
+def test_first_eager_call_of_an_unbuilt_wrapper_runs_the_layer_once(kind):
     x = np.random.default_rng(4).normal(size=(16, 12)).astype("float32")
     wrapper = Sparse24(NormedDense(), weights={"fc/kernel": 0})  # unbuilt: built by the call
-    wrapper(x, training=True)
+    wrapper(x if kind == "numpy" else tf.Variable(x), training=True)
     block = wrapper.layer
     kernel, bias = (w.numpy().astype(np.float64) for w in (block.dense.kernel, block.dense.bias))
     batch_mean = (x.astype(np.float64) @ kernel + bias).mean(axis=0)  # masks are ones
@@ -317,6 +318,25 @@ def test_first_call_with_inputs_a_symbolic_call_cannot_stand_for():
     got = np.asarray(unbuilt(ragged))
     layer = unbuilt.layer.dense
     np.testing.assert_allclose(got, dense @ layer.kernel.numpy() + layer.bias.numpy(), rtol=1e-6)
+
+
+class DataDependent(keras.layers.Layer):
+    """No build(); its call needs the data in Python, so a symbolic call cannot trace it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, name="fc")
+
+    def call(self, x):
+        return self.dense(x * 0 if float(keras.ops.max(x)) > 1e9 else x)
+
+
+def test_first_call_of_a_layer_a_symbolic_call_cannot_trace():
+    x = np.random.default_rng(5).normal(size=(4, 8)).astype("float32")
+    wrapper = Sparse24(DataDependent(), weights={"fc/kernel": 0})
+    got = np.asarray(wrapper(x))  # Keras marks it built after the failed trace: still built
+    layer = wrapper.layer.dense
+    np.testing.assert_allclose(got, x @ layer.kernel.numpy() + layer.bias.numpy(), rtol=1e-5)
 
 
 def test_regularizers_see_the_effective_weight():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 
 import keras
@@ -183,6 +184,10 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
             with tempfile.TemporaryDirectory() as assets:
                 a.save_assets(assets)
                 b.load_assets(assets)
+        if getattr(a, "stateful", False) and getattr(a, "states", None) is not None:
+            # Kept out of variables and files by Keras; a stateful RNN's copy goes on from here.
+            for mine, theirs in zip(keras.tree.flatten(b.states), keras.tree.flatten(a.states)):
+                mine.assign(theirs)
     target.set_weights(source.get_weights())
 
 
@@ -338,15 +343,25 @@ def _is_functional(model) -> bool:
 
 
 def _copy_model(model: keras.Model) -> keras.Model:
+    in_place = "`for layer in tf_sparse24.pruned_layers(model): layer.update_masks()`"
     try:
         copy = model.__class__.from_config(model.get_config())
     except Exception as err:
         raise TypeError(
             f"Cannot copy subclassed model {model.name!r} ({type(model).__name__}) with "
             f"get_config()/from_config(): {err}. Implement get_config(), or prune in place with "
-            "`for layer in tf_sparse24.pruned_layers(model): layer.update_masks()`."
+            f"{in_place}."
         ) from err
-    copy.build_from_config(model.get_build_config())
+    with warnings.catch_warnings():  # Keras only warns when it cannot build a layer from there
+        warnings.simplefilter("ignore")
+        copy.build_from_config(model.get_build_config())
+    # Layers whose state their build config cannot recreate (an adapted lookup, a stateful RNN).
+    if unbuilt := [l.name for l in copy._flatten_layers(include_self=False) if not l.built]:
+        raise TypeError(
+            f"Cannot copy subclassed model {model.name!r} ({type(model).__name__}): its layers "
+            f"{unbuilt} are not built after from_config() and build_from_config(). Prune it in "
+            f"place with {in_place}."
+        )
     _copy_state(model, copy)
     copy.built = True  # build_from_config builds the layers, not always the model's own flag
     return copy

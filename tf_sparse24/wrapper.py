@@ -84,13 +84,21 @@ def _check_masks_apply(layer: keras.layers.Layer, variables) -> None:
 
 
 def _symbolic(value):
-    """A `KerasTensor` standing for a dense tensor or a numpy array; anything else as it is."""
-    if isinstance(value, tf.Tensor):
-        return keras.KerasTensor(value.shape, value.dtype.name)
+    """A `KerasTensor` standing for a dense tensor, variable or numpy array; anything else as it
+    is."""
+    if isinstance(value, (tf.Tensor, tf.Variable, keras.Variable)):
+        return keras.KerasTensor(value.shape, keras.backend.standardize_dtype(value.dtype))
     if isinstance(value, np.ndarray) and value.ndim and value.dtype.kind in "biufcUSO":
         dtype = "string" if value.dtype.kind in "USO" else value.dtype.name
         return keras.KerasTensor(value.shape, dtype)
     return value
+
+
+def _is_data(value) -> bool:
+    """A tensor `_symbolic` could not stand for (ragged, sparse): a symbolic call would run on it."""
+    return isinstance(value, (tf.RaggedTensor, tf.SparseTensor)) or (
+        tf.is_tensor(value) and not isinstance(value, keras.KerasTensor)
+    )
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse24")
@@ -174,11 +182,15 @@ class Sparse24(keras.layers.Wrapper):
             # Multi-input layers (MHA) build from their own call signature. A symbolic call builds
             # without running the forward, whose state updates (moving statistics, RNN states)
             # would otherwise happen twice on a first eager call. Inputs it cannot stand for
-            # (ragged tensors, Python that needs the data) fall back to a real call.
-            with contextlib.suppress(Exception):  # the real call below raises what is real
-                symbolic = keras.tree.map_structure(_symbolic, (args, kwargs))
-                self.layer(*symbolic[0], **symbolic[1])
-            if not self.layer.built:
+            # (ragged tensors) or a call it cannot trace (Python that needs the data) fall back to
+            # a real call: then those updates do happen twice, as documented.
+            symbolic = keras.tree.map_structure(_symbolic, (args, kwargs))
+            traced = False
+            if not any(_is_data(v) for v in keras.tree.flatten(symbolic)):
+                with contextlib.suppress(Exception):  # the real call below raises what is real
+                    self.layer(*symbolic[0], **symbolic[1])
+                    traced = True
+            if not (traced and self.layer.built):
                 self.layer(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
