@@ -297,7 +297,8 @@ def test_first_eager_call_of_an_unbuilt_wrapper_runs_the_layer_once(kind):
     kernel, bias = (w.numpy().astype(np.float64) for w in (block.dense.kernel, block.dense.bias))
     batch_mean = (x.astype(np.float64) @ kernel + bias).mean(axis=0)  # masks are ones
     # One update from 0 with momentum 0.9; a second call would make it 0.1 + 0.09 of the mean.
-    np.testing.assert_allclose(block.norm.moving_mean.numpy(), 0.1 * batch_mean, rtol=1e-5, atol=1e-7)
+    moving_mean = block.norm.moving_mean.numpy()
+    np.testing.assert_allclose(moving_mean, 0.1 * batch_mean, rtol=1e-5, atol=1e-7)
 
 
 class RaggedDense(keras.layers.Layer):
