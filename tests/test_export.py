@@ -766,6 +766,38 @@ def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):
         load(target)
 
 
+LOOKUP_SCRIPT = """
+import json, sys
+import numpy as np, tensorflow as tf
+export_dir, words = sys.argv[1], json.loads(sys.argv[2])
+out = tf.saved_model.load(export_dir).signatures["serving_default"](words=tf.constant(words))
+print(json.dumps({"scores": out["scores"].numpy().tolist(),
+                  "imported": sorted(m for m in sys.modules if m.startswith("tf_sparse24"))}))
+"""
+
+
+def test_lookup_tables_are_exported_and_served_by_plain_tensorflow(tmp_path):
+    """A StringLookup's table and vocabulary are resources, not variables: the export holds them."""
+    keras.utils.set_random_seed(0)
+    lookup = keras.layers.StringLookup(name="vocab")
+    lookup.adapt(tf.constant([["red"], ["green"], ["blue"], ["red"]]))
+    words = keras.Input((3,), dtype="string", name="words")
+    h = keras.layers.Flatten()(keras.layers.Embedding(8, 4, name="emb")(lookup(words)))
+    model = keras.Model(words, keras.layers.Dense(4, name="scores")(h))
+    pruned = tf_sparse24.prune(model)
+    export(pruned, tmp_path / "1")
+    batch = [["red", "blue", "pink"], ["green", "green", "red"]]  # "pink": out of vocabulary
+    want = np.asarray(pruned(tf.constant(batch)))
+    proc = subprocess.run([sys.executable, "-c", LOOKUP_SCRIPT, str(tmp_path / "1"),
+                           json.dumps(batch)], env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    served = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert served["imported"] == []
+    np.testing.assert_allclose(np.asarray(served["scores"]), want, rtol=1e-5, atol=1e-6)
+    assert verify(tmp_path / "1", against=pruned)["max_abs_diff"]["scores"] < 1e-5  # string input
+
+
 def test_automatic_layer_names_do_not_become_signature_keys(tmp_path):
     """`dense_3` depends on how many Dense layers the process made before: not a stable key."""
     keys = []

@@ -625,6 +625,10 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
             dense_vars.append(variable)
     dense_values = [v.numpy() for v in dense_vars]
     module.dense = [tf.Variable(value, trainable=False) for value in dense_values]
+    # Lookup tables (StringLookup, IntegerLookup, TextVectorization): resources that are not
+    # variables; the served function uses them, so the SavedModel must hold them (and their
+    # vocabulary).
+    module.tables = _table_resources(model)
 
     output_names = signature_output_names(model, _probe_outputs(model, specs, keys))
     calls = {}  # index in `sparse` -> its _SparseCall
@@ -665,6 +669,16 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
     finally:
         shutil.rmtree(asset_dir, ignore_errors=True)
     return metadata
+
+
+def _table_resources(model: keras.Model) -> list:
+    """The non-variable TensorFlow resources the model's layers hold (lookup tables), each once."""
+    found = {}
+    for layer in model._flatten_layers():
+        for value in vars(layer).values():
+            if isinstance(value, tf.saved_model.experimental.TrackableResource):
+                found[id(value)] = value
+    return list(found.values())
 
 
 def functional_view(model: keras.Model) -> keras.Model:

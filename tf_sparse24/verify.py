@@ -94,9 +94,7 @@ def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
         spec = specs[name]
         shape = [2 if i == 0 else 8 for i in range(len(spec["shape"]))]
         shape = [d if d is not None else shape[i] for i, d in enumerate(spec["shape"])]
-        dtype = tf.as_dtype(spec["dtype"])
-        values = rng.standard_normal(shape) if dtype.is_floating else np.zeros(shape)
-        inputs[name] = tf.constant(values, dtype)
+        inputs[name] = _random_input(rng, shape, tf.as_dtype(spec["dtype"]))
     served = loaded.signatures[SIGNATURE](**inputs)
     keys = list(inputs) if metadata["signature"].get("input_structure") == "dict" else None
     expected = model(pack_inputs(model, list(inputs.values()), keys), training=False)
@@ -119,13 +117,28 @@ def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
                 f"output {name!r}: served shape {got.shape}, model gives {want.shape}"
             )
         precise = served[name].dtype.size >= 4 and not low_precision
-        tol = (1e-4 if precise else 2e-2) * max(1.0, float(np.abs(want).max()))
-        diffs[name] = float(np.abs(got - want).max()) if want.size else 0.0
+        finite = np.isfinite(want)
+        tol = (1e-4 if precise else 2e-2) * max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
+        # NaN/Inf where the model gives them too (e.g. a fully masked sequence) are a match.
+        same = (got == want) | (np.isnan(got) & np.isnan(want))
+        diffs[name] = float(np.abs(np.where(same, 0.0, got - want)).max()) if want.size else 0.0
         if not diffs[name] <= tol:
             raise ExportError(
                 f"output {name!r} differs from the Keras model by {diffs[name]:.3g} (> {tol:.3g})"
             )
     return diffs
+
+
+def _random_input(rng: np.random.Generator, shape: list[int], dtype: tf.DType) -> tf.Tensor:
+    """Random values of `dtype`: normal floats; integers 1 or 2 (valid token ids for any vocabulary,
+    never the padding id 0); short strings; booleans."""
+    if dtype.is_floating:
+        return tf.constant(rng.standard_normal(shape), dtype)
+    if dtype == tf.string:
+        return tf.constant(rng.choice(["a", "b", "c"], size=shape).astype(object), tf.string)
+    if dtype == tf.bool:
+        return tf.constant(rng.integers(0, 2, shape).astype(bool))
+    return tf.constant(rng.integers(1, 3, shape), dtype)
 
 
 def _input_order(model: keras.Model, signature: dict) -> list[str]:
