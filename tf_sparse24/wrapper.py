@@ -95,7 +95,8 @@ def _symbolic(value):
 
 
 def _is_data(value) -> bool:
-    """A tensor `_symbolic` could not stand for (ragged, sparse): a symbolic call would run on it."""
+    """A tensor `_symbolic` could not stand for (ragged, sparse): a symbolic call would run on
+    it."""
     return isinstance(value, (tf.RaggedTensor, tf.SparseTensor)) or (
         tf.is_tensor(value) and not isinstance(value, keras.KerasTensor)
     )
