@@ -95,11 +95,9 @@ def _symbolic(value):
 
 
 def _is_data(value) -> bool:
-    """A tensor `_symbolic` could not stand for (ragged, sparse): a symbolic call would run on
-    it."""
-    return isinstance(value, (tf.RaggedTensor, tf.SparseTensor)) or (
-        tf.is_tensor(value) and not isinstance(value, keras.KerasTensor)
-    )
+    """A tensor `_symbolic` left as it is (ragged, sparse): a symbolic call would run on it.
+    (`tf.is_tensor` is true for those composite tensors, false for a KerasTensor.)"""
+    return tf.is_tensor(value)
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse24")
