@@ -39,12 +39,16 @@ def masked_copy(model, axes):
     """The original model with its prunable weights replaced by numpy-reference 2:4 weights."""
     copy = keras.models.clone_model(model)
     copy.set_weights(model.get_weights())
-    for layer in [l for l in all_layers(copy) if l.name in axes]:
-        for var in layer.trainable_weights:
+    # Paths from the original (built in its layers' name scopes), matched to the copy by position.
+    masked = set()
+    for layer, twin in zip(all_layers(model), all_layers(copy)):
+        for var, target in zip(layer.weights, twin.weights):
             suffix = var.path.split(layer.name + "/", 1)[-1]
-            if suffix in axes[layer.name]:
+            if suffix in axes.get(layer.name, {}):
                 w = var.numpy()
-                var.assign(w * reference_mask(w, 2, 4, axes[layer.name][suffix]))
+                target.assign(w * reference_mask(w, 2, 4, axes[layer.name][suffix]))
+                masked.add((layer.name, suffix))
+    assert masked == {(name, path) for name, paths in axes.items() for path in paths}
     return copy
 
 
@@ -330,6 +334,52 @@ def test_layers_inside_containers_are_pruned_through_the_container(tmp_path):
     stripped = ts.strip(pruned)
     assert not ts.pruned_layers(stripped)
     np.testing.assert_allclose(stripped(x), pruned(x), rtol=1e-5, atol=1e-6)
+
+
+def rnn_cells_model():
+    """ConvLSTM2D, RNN(cell), and Bidirectional(RNN(StackedRNNCells)): pruned through the cells."""
+    cells = [keras.layers.GRUCell(8, name="a"), keras.layers.SimpleRNNCell(4, name="b")]
+    stacked = keras.layers.RNN(keras.layers.StackedRNNCells(cells, name="stack"), name="stacked")
+    frames = keras.Input((3, 6, 6, 4))
+    h = keras.layers.ConvLSTM2D(8, 3, name="conv_lstm")(frames)
+    h = keras.layers.Reshape((16, 8))(h)
+    cell = keras.layers.LSTMCell(8, name="cell")
+    h = keras.layers.RNN(cell, return_sequences=True, name="rnn")(h)
+    h = keras.layers.Bidirectional(stacked, name="bi")(h)
+    return keras.Model(frames, keras.layers.Dense(4, name="out")(h))
+
+
+RNN_CELLS_AXES = {
+    "conv_lstm": {"conv_lstm_cell/kernel": 2, "conv_lstm_cell/recurrent_kernel": 2},
+    "rnn": {"cell/kernel": 0, "cell/recurrent_kernel": 0},
+    "bi": {
+        f"{d}_stacked/stack/{c}/{k}": 0
+        for d in ("forward", "backward")
+        for c in "ab"
+        for k in ("kernel", "recurrent_kernel")
+    },
+    "out": {"kernel": 0},
+}
+
+
+def test_rnn_layers_made_of_cells_and_conv_lstm_are_pruned_through_their_cells(tmp_path):
+    model = rnn_cells_model()
+    pruned = ts.prune(model)
+    wrapped = {layer.layer.name: layer for layer in ts.pruned_layers(pruned)}
+    assert {name: {pw.name: pw.axis for pw in w.pruned_weights} for name, w in wrapped.items()} == (
+        RNN_CELLS_AXES
+    )
+    x = RNG.normal(size=(2, 3, 6, 6, 4)).astype("float32")
+    reference = masked_copy(model, RNN_CELLS_AXES)(x)
+    np.testing.assert_allclose(pruned(x), reference, rtol=1e-5, atol=1e-5)
+    assert np.abs(model(x) - reference).max() > 1e-3  # the masks change the output
+    rows = {r.layer: r for r in ts.report(pruned, print_fn=None)}
+    assert {r.status for r in rows.values()} == {"pruned"} and all(r.valid for r in rows.values())
+    assert sorted(rows) == sorted(f"sparse24_{name}" for name in RNN_CELLS_AXES)
+    path = str(tmp_path / "cells.keras")
+    pruned.save(path)
+    np.testing.assert_allclose(keras.models.load_model(path)(x), reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ts.strip(pruned)(x), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_selecting_or_skipping_a_container_covers_its_layers():

@@ -11,6 +11,7 @@ RNG = np.random.default_rng(0)
 SEQ = RNG.normal(size=(2, 6, 8)).astype("float32")
 IMG = RNG.normal(size=(2, 5, 5, 8)).astype("float32")
 VOL = RNG.normal(size=(2, 4, 4, 4, 8)).astype("float32")
+FRAMES = RNG.normal(size=(2, 3, 5, 5, 8)).astype("float32")
 
 # (layer factory, inputs, expected {relative path: axis})
 CASES = {
@@ -54,6 +55,26 @@ CASES = {
         lambda: keras.layers.SimpleRNN(4),
         (SEQ,),
         {"simple_rnn_cell/kernel": 0, "simple_rnn_cell/recurrent_kernel": 0},
+    ),
+    "rnn_cell": (
+        lambda: keras.layers.RNN(keras.layers.LSTMCell(8, name="cell")),
+        (SEQ,),
+        {"cell/kernel": 0, "cell/recurrent_kernel": 0},
+    ),
+    "stacked_cells": (
+        lambda: keras.layers.RNN(
+            keras.layers.StackedRNNCells(
+                [keras.layers.GRUCell(8, name="a"), keras.layers.SimpleRNNCell(4, name="b")],
+                name="stack",
+            )
+        ),
+        (SEQ,),
+        {f"stack/{c}/{k}": 0 for c in "ab" for k in ["kernel", "recurrent_kernel"]},
+    ),
+    "conv_lstm2d": (
+        lambda: keras.layers.ConvLSTM2D(4, 3),
+        (FRAMES,),
+        {"conv_lstm_cell/kernel": 2, "conv_lstm_cell/recurrent_kernel": 2},
     ),
 }
 

@@ -1,9 +1,9 @@
 """Which weights of which Keras layers are prunable, and along which axis (DESIGN.md contract 1).
 
 The registry is data: `PRUNABLE_WEIGHTS` maps a layer class to `{relative variable path: grouping
-axis}`. A path matches a variable whose path relative to the layer ends with it ("kernel" matches
-an LSTM's "lstm_cell/kernel"). Layers outside the registry can opt in with the `PrunableLayer`
-protocol: a `get_prunable_weights()` method returning variables (grouped along axis `ndim - 2`, the
+axis}`. A path matches a variable whose path relative to the layer ends with it. An RNN layer
+(LSTM, GRU, SimpleRNN, ConvLSTM1D/2D/3D, `RNN(cell)`, `RNN([cells])`) prunes the registered
+weights of its cells. Layers outside the registry can opt in with the `PrunableLayer` protocol: a `get_prunable_weights()` method returning variables (grouped along axis `ndim - 2`, the
 input axis of Keras' kernel layout) or `(variable, axis)` pairs.
 """
 
@@ -13,6 +13,7 @@ import re
 from typing import Protocol, runtime_checkable
 
 import keras
+from keras.src.layers.rnn.conv_lstm import ConvLSTMCell  # not exported by keras.layers
 
 from tf_sparse24.masks import parse_pattern
 
@@ -31,9 +32,12 @@ PRUNABLE_WEIGHTS: dict[type, dict[str, int]] = {
         "value/kernel": 0,
         "attention_output/kernel": 1,
     },
-    L.SimpleRNN: {"kernel": 0, "recurrent_kernel": 0},
-    L.GRU: {"kernel": 0, "recurrent_kernel": 0},
-    L.LSTM: {"kernel": 0, "recurrent_kernel": 0},
+    # RNN cells (an RNN layer's own row is made of its cells' rows): kernel `[in, g*u]`,
+    # recurrent_kernel `[u, g*u]`; ConvLSTM's `[..., in, g*filters]` and `[..., filters, ...]`.
+    L.SimpleRNNCell: {"kernel": 0, "recurrent_kernel": 0},
+    L.GRUCell: {"kernel": 0, "recurrent_kernel": 0},
+    L.LSTMCell: {"kernel": 0, "recurrent_kernel": 0},
+    ConvLSTMCell: {"kernel": -2, "recurrent_kernel": -2},
 }
 
 # Layers skipped on purpose, with the reason shown by `report()`.
@@ -58,16 +62,21 @@ class PrunableLayer(Protocol):
 def relative_variables(layer: keras.layers.Layer) -> dict[str, keras.Variable]:
     """Maps each variable of `layer` to its path relative to the layer ("query/kernel").
 
-    A variable's path holds the layer's name when it was created inside the layer's name scope;
-    a container built outside it (a copy's `build_from_config`) gives its sublayers' variables
-    paths that are already relative ("forward_lstm/lstm_cell/kernel").
+    The path is made of the names of the sublayers down to the variable's owner, not taken from
+    `variable.path`: that holds whatever name scope the variable was created in, which differs
+    between a layer and its copy built from config (a cell built outside its RNN's scope). State
+    outside sublayers (RNG seeds) keeps its own path.
     """
-    out = {}
-    for var in layer.variables:
-        parts = var.path.split("/")
-        owners = [i for i, part in enumerate(parts[:-1]) if part == layer.name]
-        out["/".join(parts[owners[-1] + 1 :]) if owners else var.path] = var
-    return out
+    tree = {}
+
+    def visit(sub, prefix):
+        for var in sub._trainable_variables + sub._non_trainable_variables:
+            tree.setdefault(id(var), prefix + var.name)
+        for child in sub._flatten_layers(include_self=False, recursive=False):
+            visit(child, f"{prefix}{child.name}/")
+
+    visit(layer, "")
+    return {tree.get(id(var), var.path): var for var in layer.variables}
 
 
 def lora_layers(layer: keras.layers.Layer, variables) -> list[str]:
@@ -135,43 +144,9 @@ def scan_layer(
     """
     if quantized := quantized_layers(layer):
         return [], [f"quantized {quantized}: prune the float model, then quantize strip(pruned)"]
-    variables = relative_variables(layer)
-    if isinstance(layer, PrunableLayer):
-        named = {id(v): p for p, v in variables.items()}
-        candidates = []
-        for item in layer.get_prunable_weights():
-            var, axis = item if isinstance(item, tuple) else (item, item.ndim - 2)
-            if id(var) not in named:
-                raise ValueError(
-                    f"Layer {layer.name!r}: get_prunable_weights() returned {var.path}, which is not "
-                    "one of its own variables."
-                )
-            candidates.append((named[id(var)], var, axis))
-    elif isinstance(layer, L.EinsumDense):
-        axis = einsum_axis(layer.equation, layer.kernel.ndim)
-        if isinstance(axis, str):
-            return [], [axis]
-        candidates = [(p, v, axis) for p, v in variables.items() if v is layer.kernel]
-    else:
-        table = next(
-            (t for cls, t in PRUNABLE_WEIGHTS.items() if type(layer) is cls), None
-        )
-        if table is None:
-            table = next(
-                (t for cls, t in PRUNABLE_WEIGHTS.items() if isinstance(layer, cls)),
-                None,
-            )
-        if table is None:
-            reason = next(
-                (r for cls, r in SKIP_REASONS.items() if isinstance(layer, cls)), None
-            )
-            return [], [reason] if reason else []
-        candidates = [
-            (p, v, axis)
-            for suffix, axis in table.items()
-            for p, v in variables.items()
-            if p == suffix or p.endswith("/" + suffix)
-        ]
+    candidates = _candidates(layer)
+    if isinstance(candidates, str):
+        return [], [candidates]
     eligible, reasons = [], []
     for path, var, axis in candidates:
         if lora := lora_layers(layer, [var]):
@@ -191,3 +166,42 @@ def scan_layer(
         else:
             eligible.append((path, var, axis))
     return eligible, reasons
+
+
+def _candidates(layer: keras.layers.Layer) -> list[tuple[str, keras.Variable, int]] | str:
+    """The `(relative path, variable, axis)` triples the registry names for `layer`, before the
+    shape checks; a string is the reason the layer's kind is skipped."""
+    variables = relative_variables(layer)
+    if isinstance(layer, PrunableLayer):
+        named = {id(v): p for p, v in variables.items()}
+        candidates = []
+        for item in layer.get_prunable_weights():
+            var, axis = item if isinstance(item, tuple) else (item, item.ndim - 2)
+            if id(var) not in named:
+                raise ValueError(
+                    f"Layer {layer.name!r}: get_prunable_weights() returned {var.path}, which is not "
+                    "one of its own variables."
+                )
+            candidates.append((named[id(var)], var, axis))
+        return candidates
+    if isinstance(layer, L.EinsumDense):
+        axis = einsum_axis(layer.equation, layer.kernel.ndim)
+        if isinstance(axis, str):
+            return axis
+        return [(p, v, axis) for p, v in variables.items() if v is layer.kernel]
+    table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if type(layer) is cls), None)
+    if table is None:
+        table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if isinstance(layer, cls)), None)
+    if table is not None:
+        return [
+            (p, v, axis)
+            for suffix, axis in table.items()
+            for p, v in variables.items()
+            if p == suffix or p.endswith("/" + suffix)
+        ]
+    if isinstance(layer, L.RNN):
+        cells = layer.cell.cells if isinstance(layer.cell, L.StackedRNNCells) else [layer.cell]
+        path = {id(v): p for p, v in variables.items()}
+        found = [_candidates(cell) for cell in cells]
+        return [(path[id(v)], v, axis) for c in found if isinstance(c, list) for _, v, axis in c]
+    return next((r for cls, r in SKIP_REASONS.items() if isinstance(layer, cls)), [])
