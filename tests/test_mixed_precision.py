@@ -179,3 +179,47 @@ def test_a_float32_layer_under_mixed_precision_keeps_float32_when_wrapped(make):
     want = x.astype(np.float64) @ (pw.variable.numpy() * pw.mask.numpy())  # float32 math
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", sorted(COMPUTE))
+@pytest.mark.parametrize("mode", ["portable", "accelerated"])
+def test_export_stores_16_bit_compute_weights_and_serves_the_same(policy, mode, tmp_path):
+    """Under mixed precision a pruned weight is stored in its layer's compute dtype (what Keras
+    multiplies with), a float32 layer's in float32; the served outputs match the model."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    from tf_sparse24 import format as fmt  # noqa: PLC0415
+
+    with global_policy(policy):
+        inp = keras.Input((6, 16), name="x")
+        h = keras.layers.Conv1D(16, 3, padding="same", name="conv")(inp)  # dense at load
+        h = keras.layers.MultiHeadAttention(2, 8, name="mha")(h, h)
+        h = keras.layers.Dense(16, activation="relu", name="fc")(h)
+        out = keras.layers.Dense(4, dtype="float32", name="head")(h)
+        model = tf_sparse24.prune(keras.Model(inp, out))
+    export_dir = str(tmp_path / "1")
+    metadata = tf_sparse24.export(model, export_dir, mode=mode)
+    compute = COMPUTE[policy]
+    effective = {
+        pw.variable.path: (layer, pw)
+        for layer in tf_sparse24.pruned_layers(model)
+        for pw in layer.pruned_weights
+    }
+    loaded = tf_sparse24.load(export_dir)
+    assert len(metadata["sparse"]) == 7  # conv, 4 attention kernels, fc, head
+    for entry, values, meta in zip(metadata["sparse"], loaded.sparse_values, loaded.sparse_meta):
+        want = "float32" if entry["layer"] == "head" else compute
+        assert (entry["dtype"], entry["variable_dtype"]) == (want, "float32"), entry["name"]
+        layer, pw = effective[entry["name"]]
+        # Exactly Keras' own cast of the masked float32 weight (float32 holds both exactly).
+        cast = tf.cast(layer.effective_weight(pw), want).numpy()
+        rebuilt = fmt.decompress(values.numpy(), meta.numpy(), entry["k"])
+        assert rebuilt.dtype == cast.dtype
+        np.testing.assert_array_equal(
+            rebuilt.astype(np.float32), fmt.to_2d(cast, pw.axis).astype(np.float32)
+        )
+    report = tf_sparse24.verify_export(export_dir, against=model)
+    if mode == "portable":  # the same kernels and ops as Keras' own forward
+        assert report["max_abs_diff"]["head"] == 0.0
+    fc = next(e for e in metadata["sparse"] if e["layer"] == "fc")
+    assert fc["values"]["bytes"] == 16 * 16 // 2 * 2  # half the elements, 2 bytes each

@@ -311,7 +311,7 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
     for layer in layers:
         if isinstance(layer, Sparse24):
             for pw in layer.pruned_weights:
-                value = keras.ops.convert_to_numpy(layer.effective_weight(pw))
+                value = _as_computed(layer.layer, pw.variable, layer.effective_weight(pw))
                 values, meta = _compress(pw.variable.path, value, pw.axis)
                 found.append(_Sparse(pw.variable.path, layer.layer, pw.variable, pw.mask,
                                      pw.axis % value.ndim, pw.pattern, values, meta))
@@ -320,7 +320,7 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
                 if id(variable) in claimed:
                     continue
                 claimed.add(id(variable))
-                value = variable.numpy()
+                value = _as_computed(layer, variable, variable.value)
                 try:
                     values, meta = fmt.compress(fmt.to_2d(value, axis))
                 except ValueError:
@@ -329,6 +329,27 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
                                      "2:4", values, meta))
     _dedupe_names(found)
     return found
+
+
+def _as_computed(layer: keras.layers.Layer, variable: keras.Variable, value) -> np.ndarray:
+    """`value` in the dtype the layer multiplies `variable` in: a float32 weight of a layer (or
+    sublayer) that computes in float16 / bfloat16 under mixed precision is cast to that dtype, as
+    Keras autocasts it at every call. So it is stored at half the bytes, `Sparse24MatMul` reads it
+    without a per-call cast, and the served results are the same as with the float32 weight."""
+    owner = next(
+        (sub for sub in layer._flatten_layers(include_self=True)
+         if any(v is variable for v in sub._trainable_variables + sub._non_trainable_variables)),
+        layer,
+    )
+    dtype = owner.compute_dtype
+    value = tf.convert_to_tensor(value)
+    if (
+        variable.dtype == "float32"
+        and dtype in ("float16", "bfloat16")
+        and getattr(variable, "_autocast", True)
+    ):
+        value = tf.cast(value, dtype)  # as Keras' autocast does
+    return value.numpy()
 
 
 def _dedupe_names(items: list) -> None:
@@ -440,23 +461,26 @@ class _DenseKernel(tf.saved_model.experimental.TrackableResource):
     loaded object, so two loads of one export in a process share it safely.
     """
 
-    def __init__(self, values, meta, k: int, shape, decompress):
+    def __init__(self, values, meta, k: int, shape, dtype, decompress):
         self._values, self._meta, self._k, self._shape = values, meta, k, list(shape)
+        self._dtype = tf.as_dtype(dtype)  # the Keras variable's (values may be stored narrower)
         self._decompress = decompress
         self._shared_name = f"tf_sparse24_{uuid.uuid4().hex}"
         super().__init__()
 
     def _create_resource(self):
         return tf.raw_ops.VarHandleOp(
-            dtype=self._values.dtype, shape=self._shape, shared_name=self._shared_name
+            dtype=self._dtype, shape=self._shape, shared_name=self._shared_name
         )
 
     def _initialize(self):
         dense = tf.reshape(self._decompress(self._values, self._meta, self._k), self._shape)
-        return tf.raw_ops.AssignVariableOp(resource=self.resource_handle, value=dense)
+        return tf.raw_ops.AssignVariableOp(
+            resource=self.resource_handle, value=tf.cast(dense, self._dtype)
+        )
 
     def read(self) -> tf.Tensor:
-        return tf.raw_ops.ReadVariableOp(resource=self.resource_handle, dtype=self._values.dtype)
+        return tf.raw_ops.ReadVariableOp(resource=self.resource_handle, dtype=self._dtype)
 
 
 def einsum_matmul(equation: str) -> int | None:
@@ -582,7 +606,7 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
     """
     caches = {
         i: _DenseKernel(module.sparse_values[i], module.sparse_meta[i], s.k,
-                        s.variable.shape, decompress)
+                        s.variable.shape, s.variable.dtype, decompress)
         for i, s in enumerate(sparse)
         if i not in calls
     }  # fmt: skip
@@ -727,6 +751,7 @@ def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, den
             "layer": s.layer.name,
             "shape": list(s.variable.shape),
             "dtype": s.values.dtype.name,
+            "variable_dtype": keras.backend.standardize_dtype(s.variable.dtype),
             "axis": s.axis,
             "k": s.k,
             "n": n,

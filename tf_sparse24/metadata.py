@@ -3,7 +3,8 @@
 Schema `tf_sparse24.export/1` (a JSON object; docs/EXPORT.md lists every field):
 `schema`, `format` ("sparse24/v1"), `mode` ("portable" | "accelerated"), `package_version`,
 `tensorflow_version`, `keras_version`, `model`, `signature` (input/output names, shapes, dtypes),
-`sparse` (one entry per compressed weight: `name`, `layer`, `shape`, `dtype`, `axis`, `k`, `n`,
+`sparse` (one entry per compressed weight: `name`, `layer`, `shape`, `dtype` (of the stored
+values), `variable_dtype` (of the Keras variable), `axis`, `k`, `n`,
 `pattern`, `kernel` ("sparse24_matmul" | "dense_at_load"), `values` / `meta` tensor records) and
 `dense` (tensor records of every other stored variable). A tensor record is `{"name", "shape",
 "dtype", "sha256", "bytes"}`; the sha256 is over the tensor's C-order bytes.

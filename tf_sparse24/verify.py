@@ -174,9 +174,13 @@ def describe(export_dir: str | os.PathLike) -> str:
     stored_total = dense_total = 0
     for e in metadata["sparse"]:
         stored = e["values"]["bytes"] + e["meta"]["bytes"]
-        dense = int(np.prod(e["shape"])) * np.dtype(e["values"]["dtype"]).itemsize
+        # Dense bytes of the Keras variable (float32 under mixed precision, whose 16-bit compute
+        # dtype the values are stored in: shown as "bfloat16<-float32").
+        variable_dtype = e.get("variable_dtype", e["dtype"])
+        dense = int(np.prod(e["shape"])) * np.dtype(variable_dtype).itemsize
         stored_total, dense_total = stored_total + stored, dense_total + dense
-        rows.append((e["name"], e["layer"], "x".join(map(str, e["shape"])), e["dtype"], e["kernel"],
+        dtype = e["dtype"] if variable_dtype == e["dtype"] else f"{e['dtype']}<-{variable_dtype}"
+        rows.append((e["name"], e["layer"], "x".join(map(str, e["shape"])), dtype, e["kernel"],
                      str(stored), str(dense), f"{stored / dense:.3f}" if dense else "-"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines.append("compressed weights:")
