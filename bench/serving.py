@@ -8,7 +8,10 @@ exported three ways and each SavedModel is loaded back the way a server would lo
 Calls of `signatures["serving_default"]` are interleaved round-robin over the three and the table
 shows medians, so machine noise hits all three alike. Run:
 
-    .venv/bin/python bench/serving.py [--width 2048] [--repeats 30]
+    .venv/bin/python bench/serving.py [--width 2048] [--repeats 30] [--policy mixed_bfloat16]
+
+`--policy` builds the model under a Keras dtype policy: under mixed precision the pruned exports
+store the 16-bit compute-dtype values (Keras' own export: the float32 variables).
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--policy", default="float32",
+                        choices=["float32", "mixed_bfloat16", "mixed_float16"])
     args = parser.parse_args()
 
+    keras.config.set_dtype_policy(args.policy)
     model = build(args.width, args.features)
     root = tempfile.mkdtemp(prefix="sparse24-serving-")
     dirs = {name: os.path.join(root, name, "1") for name in ("dense", "portable", "accelerated")}
@@ -68,7 +74,7 @@ def main() -> None:
     sizes = {name: dir_bytes(os.path.join(d, "variables")) for name, d in dirs.items()}
     weights = sum(v.numpy().nbytes for v in model.variables if "mask" not in v.path)
     print(f"model: {args.features}-{args.width}-{args.width}-{args.features}-16 MLP, 2:4 pruned, "
-          f"float32; TF {tf.__version__}, {os.cpu_count()} CPUs, "
+          f"{args.policy}; TF {tf.__version__}, {os.cpu_count()} CPUs, "
           f"op ISA {tf_sparse24.ops.cpu_isa()}")
     print(f"\n{'export':12s} {'variables/ bytes':>17s} {'vs dense weights':>17s}")
     print(f"{'(weights)':12s} {weights:17d} {1:16.3f}x   dense float32 bytes, each variable once")
