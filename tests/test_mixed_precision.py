@@ -223,3 +223,50 @@ def test_export_stores_16_bit_compute_weights_and_serves_the_same(policy, mode, 
         assert report["max_abs_diff"]["head"] == 0.0
     fc = next(e for e in metadata["sparse"] if e["layer"] == "fc")
     assert fc["values"]["bytes"] == 16 * 16 // 2 * 2  # half the elements, 2 bytes each
+
+
+@keras.saving.register_keras_serializable(package="test_mixed_precision")
+class RoutedBlock(keras.layers.Layer):
+    """A 16-bit block with a float32 sublayer (a router or gate kept in float32)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.router = keras.layers.Dense(8, dtype="float32", name="router")
+
+    def build(self, input_shape):
+        self.router.build(input_shape)
+
+    def call(self, x):
+        return self.router(x)
+
+
+def test_a_float32_sublayer_of_a_wrapped_block_keeps_float32_weights():
+    """The wrapper maps weights in their own dtype: a float32 sublayer is not rounded to 16 bits."""
+    with global_policy("mixed_bfloat16"):
+        inp = keras.Input((64,))
+        model = tf_sparse24.prune(keras.Model(inp, RoutedBlock(name="block")(inp)))
+    (wrapper,) = tf_sparse24.pruned_layers(model)
+    (pw,) = wrapper.pruned_weights
+    x = np.random.default_rng(0).standard_normal((16, 64)).astype("float32")
+    x16 = np.asarray(keras.ops.cast(keras.ops.cast(x, "bfloat16"), "float32"), np.float64)
+    effective = pw.variable.numpy().astype(np.float64) * pw.mask.numpy()
+    want = x16 @ effective  # the block casts its input to bfloat16; the router computes in float32
+    np.testing.assert_allclose(np.asarray(model(x)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(tf_sparse24.strip(model)(x)))
+
+
+def test_srste_masks_are_computed_from_float32_weights_under_mixed_precision():
+    """0.5 and 0.5001 tie in bfloat16: the forward's mask must be the float32 one that strip,
+    export and report use."""
+    with global_policy("mixed_bfloat16"):
+        inp = keras.Input((4,))
+        dense = keras.layers.Dense(1, use_bias=False)
+        model = tf_sparse24.prune(keras.Model(inp, dense(inp)), wrapper=tf_sparse24.SRSTE)
+    (wrapper,) = tf_sparse24.pruned_layers(model)
+    (pw,) = wrapper.pruned_weights
+    pw.variable.assign(np.array([[1.0], [0.5], [0.5001], [0.1]], "float32"))
+    picks = np.eye(4, dtype="float32")  # row k reads kernel row k
+    np.testing.assert_array_equal(np.asarray(model(picks))[:, 0], [1.0, 0.0, 0.5, 0.0])
+    np.testing.assert_array_equal(
+        np.asarray(model(picks)), np.asarray(tf_sparse24.strip(model)(picks))
+    )

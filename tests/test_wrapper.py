@@ -392,3 +392,22 @@ def test_output_shape_is_the_wrapped_layers():
     inp = keras.Input((6, 8))
     out = keras.layers.TimeDistributed(Sparse24(keras.layers.Dense(4)))(inp)
     assert tuple(out.shape) == (None, 6, 4)
+
+
+def test_constraints_hold_for_the_effective_weight():
+    """Keras applies a kernel constraint to the raw variable after each update: masked, the weight
+    the forward uses satisfies it and pruned positions do not move (plain SGD)."""
+    inp = keras.Input((8,))
+    wrapper = Sparse24(
+        keras.layers.Dense(8, kernel_constraint=keras.constraints.UnitNorm(axis=0))
+    )
+    model = keras.Model(inp, wrapper(inp))
+    wrapper.update_masks()
+    (pw,) = wrapper.pruned_weights
+    before = pw.variable.numpy().copy()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(SEQ[:, 0].repeat(4, 0), np.ones((8, 8), "float32"), epochs=2, verbose=0)
+    effective = pw.variable.numpy().astype(np.float64) * pw.mask.numpy()
+    np.testing.assert_allclose(np.linalg.norm(effective, axis=0), 1.0, rtol=1e-5)
+    pruned = pw.mask.numpy() == 0
+    np.testing.assert_array_equal(pw.variable.numpy()[pruned], before[pruned])

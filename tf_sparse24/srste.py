@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 from tf_sparse24.masks import compute_mask
-from tf_sparse24.wrapper import PrunedWeight, Sparse24
+from tf_sparse24.wrapper import PrunedWeight, Sparse24, stored_value
 
 DEFAULT_DECAY = 2e-4  # the paper's lambda_W
 
@@ -71,12 +71,13 @@ class SRSTE(Sparse24):
         self._masks_this_call = None
 
     def current_mask(self, pw: PrunedWeight) -> tf.Tensor:
-        """The N:M magnitude mask of the variable's current value (compute dtype)."""
-        return compute_mask(pw.variable.value, pw.pattern, pw.axis, name=pw.variable.path)
+        """The N:M magnitude mask of the variable's current value, in the variable's dtype (inside
+        and outside a mixed-precision call alike: 16-bit rounding would tie other weights)."""
+        return compute_mask(stored_value(pw.variable), pw.pattern, pw.axis, name=pw.variable.path)
 
     def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
         """`variable * current_mask`, with a straight-through (identity) gradient to the variable."""
-        value = pw.variable.value
+        value = stored_value(pw.variable)
         mask = (self._masks_this_call or {}).get(id(pw.variable))
         masked = value * (self.current_mask(pw) if mask is None else mask)
         return value + tf.stop_gradient(masked - value)  # exactly `masked`: v + (0 or -v)
@@ -90,7 +91,7 @@ class SRSTE(Sparse24):
             for pw in self.pruned_weights:
                 mask = masks[id(pw.variable)]
                 pw.mask.assign(tf.cast(mask, pw.mask.dtype))
-                pruned = tf.cast((1 - mask) * pw.variable.value, "float32")
+                pruned = tf.cast((1 - mask) * stored_value(pw.variable), "float32")
                 decay.append(tf.reduce_sum(tf.square(pruned)))
             if self.decay and decay:
                 self.add_loss(0.5 * self.decay * tf.add_n(decay))

@@ -19,6 +19,7 @@ import dataclasses
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend import AutocastScope  # Keras' own way to read a variable un-autocast
 
 from tf_sparse24.masks import compute_mask, parse_pattern
 from tf_sparse24.registry import lora_layers, quantized_layers, relative_variables, scan_layer
@@ -65,6 +66,31 @@ class _MaskedRegularizer:
 
     def __call__(self, x):
         return self.regularizer(x * keras.ops.cast(self.mask, x.dtype))
+
+
+class _MaskedConstraint:
+    """A pruned variable's own constraint (`kernel_constraint=UnitNorm()`), applied to the
+    effective weight `variable * mask`.
+
+    Keras applies a constraint to the raw variable after each update: the pruned positions would
+    count (a unit-norm raw column is not a unit-norm effective one) and move. Masked, the weight the
+    forward uses satisfies the constraint and the pruned positions stay as they are.
+    """
+
+    def __init__(self, constraint, mask: keras.Variable):
+        self.constraint, self.mask = constraint, mask
+
+    def __call__(self, w):
+        mask = keras.ops.cast(self.mask, w.dtype)
+        return self.constraint(w * mask) * mask + w * (1 - mask)
+
+
+def stored_value(variable: keras.Variable):
+    """The variable's current value in its own dtype: inside a mixed-precision call, `.value` is
+    autocast to the caller's 16-bit compute dtype, which would round a float32 sublayer's weights
+    and tie magnitudes that differ in float32. Each inner layer still autocasts for itself."""
+    with AutocastScope(None):
+        return variable.value
 
 
 def _check_masks_apply(layer: keras.layers.Layer, variables) -> None:
@@ -173,6 +199,8 @@ class Sparse24(keras.layers.Wrapper):
             )
             if var.regularizer is not None and not isinstance(var.regularizer, _MaskedRegularizer):
                 var.regularizer = _MaskedRegularizer(var.regularizer, mask)
+            if var.constraint is not None and not isinstance(var.constraint, _MaskedConstraint):
+                var.constraint = _MaskedConstraint(var.constraint, mask)
         _check_masks_apply(self.layer, [pw.variable for pw in self.pruned_weights])
         self.built = True
 
@@ -220,9 +248,7 @@ class Sparse24(keras.layers.Wrapper):
 
     def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
         """The exactly-N:M weight the forward uses: `variable * mask`."""
-        value = (
-            pw.variable.value
-        )  # the compute dtype inside a mixed-precision call (autocast)
+        value = stored_value(pw.variable)  # the inner layer autocasts the product for itself
         return value * tf.cast(pw.mask.value, value.dtype)
 
     def update_masks(self, method: str = "magnitude") -> None:
@@ -238,11 +264,15 @@ class Sparse24(keras.layers.Wrapper):
 
     def call(self, *args, **kwargs):
         _check_masks_apply(self.layer, [pw.variable for pw in self.pruned_weights])
-        masked = {
-            id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights
-        }
-        state = [(v, masked.get(id(v), v.value)) for v in self.layer.variables]
-        with _RecordingScope(state) as scope:
+        # Out of the autocast scope Keras opened for this call: a StatelessScope converts each value
+        # to its variable's `dtype`, which reads as the 16-bit compute dtype inside it, so a float32
+        # sublayer would get rounded weights. Each inner layer autocasts for itself.
+        with AutocastScope(None):
+            masked = {id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights}
+            state = [(v, masked[id(v)] if id(v) in masked else v.value)
+                     for v in self.layer.variables]
+            scope = _RecordingScope(state)
+        with scope:
             outputs = self.layer(*args, **kwargs)
         for var in scope.assigned.values():  # the layer's own state updates
             var.assign(scope.get_current_value(var))
