@@ -5,12 +5,14 @@ the same model as eager/graph mode.
 
 import contextlib
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import tf_sparse24
+import tensorflow as tf
 from helpers import scenario
+
+import tf_sparse24
+from tf_sparse24 import format as fmt
 
 COMPUTE = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 
@@ -186,10 +188,6 @@ def test_a_float32_layer_under_mixed_precision_keeps_float32_when_wrapped(make):
 def test_export_stores_16_bit_compute_weights_and_serves_the_same(policy, mode, tmp_path):
     """Under mixed precision a pruned weight is stored in its layer's compute dtype (what Keras
     multiplies with), a float32 layer's in float32; the served outputs match the model."""
-    import tensorflow as tf  # noqa: PLC0415
-
-    from tf_sparse24 import format as fmt  # noqa: PLC0415
-
     with global_policy(policy):
         inp = keras.Input((6, 16), name="x")
         h = keras.layers.Conv1D(16, 3, padding="same", name="conv")(inp)  # dense at load

@@ -269,8 +269,7 @@ class Sparse24(keras.layers.Wrapper):
         # sublayer would get rounded weights. Each inner layer autocasts for itself.
         with AutocastScope(None):
             masked = {id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights}
-            state = [(v, masked[id(v)] if id(v) in masked else v.value)
-                     for v in self.layer.variables]
+            state = [(v, masked.get(id(v), v.value)) for v in self.layer.variables]
             scope = _RecordingScope(state)
         with scope:
             outputs = self.layer(*args, **kwargs)
