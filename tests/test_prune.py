@@ -286,6 +286,38 @@ class Block(keras.layers.Layer):
         return {**super().get_config(), "units": self.units}
 
 
+@keras.saving.register_keras_serializable(package="test_prune")
+class UnnamedBlock(Block):
+    """Block with automatically named sublayers ("dense_7"): the names differ in every copy."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(units, **kwargs)
+        self.fc1 = keras.layers.Dense(units, activation="relu")
+        self.fc2 = keras.layers.Dense(units)
+
+
+def test_a_block_with_automatic_sublayer_names_is_made_again_from_its_config(tmp_path):
+    """The wrapper finds its weights by position when the layer is made from config (the names
+    that a path holds change), in a .keras load, clone_model, from_config and a second prune."""
+    inp = keras.Input((8,))
+    model = keras.Model(inp, UnnamedBlock(name="block")(inp))
+    pruned = ts.prune(model)
+    x = X[:, 0]
+    want = np.asarray(pruned(x))
+    path = str(tmp_path / "unnamed.keras")
+    pruned.save(path)
+    copies = {
+        "load_model": keras.models.load_model(path),
+        "from_config": keras.Model.from_config(pruned.get_config()),
+        "prune again": ts.prune(pruned),
+    }
+    copies["from_config"].set_weights(pruned.get_weights())
+    for name, copy in copies.items():
+        (wrapper,) = ts.pruned_layers(copy)
+        assert len(wrapper.pruned_weights) == 2, name
+        np.testing.assert_allclose(np.asarray(copy(x)), want, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
 def container_model():
     """Layers that hold the prunable layers inside them: clone_model only sees the containers."""
     inp = keras.Input((6, 8))

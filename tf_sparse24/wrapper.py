@@ -138,6 +138,9 @@ class Sparse24(keras.layers.Wrapper):
         pattern: "N:M", keep N of every M.
         weights: `{relative variable path: grouping axis}` to prune; None uses the registry
             (`tf_sparse24.registry`) or the layer's `get_prunable_weights()`.
+        weight_positions: set by `get_config`: the positions of those weights in
+            `layer.variables`. A path holds sublayer names, and automatic ones ("dense_5") differ
+            when the layer is made again from its config; positions do not.
 
     Example:
         >>> layer = Sparse24(keras.layers.Dense(8))
@@ -150,6 +153,7 @@ class Sparse24(keras.layers.Wrapper):
         layer: keras.layers.Layer,
         pattern: str = "2:4",
         weights: dict[str, int] | None = None,
+        weight_positions: list[int] | None = None,
         **kwargs,
     ):
         parse_pattern(pattern)
@@ -163,6 +167,7 @@ class Sparse24(keras.layers.Wrapper):
             layer.supports_masking
         )  # Keras masks pass through like the layer's
         self._spec = dict(weights) if weights is not None else None
+        self._positions = list(weight_positions) if weight_positions is not None else None
         self.pruned_weights: list[PrunedWeight] = []
 
     def build(self, input_shape=None):
@@ -176,6 +181,8 @@ class Sparse24(keras.layers.Wrapper):
                     f"weight to prune for pattern {self.pattern}: {'; '.join(reasons) or 'not a prunable kind'}."
                 )
             self._spec = {path: axis for path, _, axis in eligible}
+        if self._positions is not None:
+            self._spec = self._paths_at_positions(variables)
         for path, axis in self._spec.items():
             if path not in variables:
                 raise ValueError(
@@ -202,7 +209,25 @@ class Sparse24(keras.layers.Wrapper):
             if var.constraint is not None and not isinstance(var.constraint, _MaskedConstraint):
                 var.constraint = _MaskedConstraint(var.constraint, mask)
         _check_masks_apply(self.layer, [pw.variable for pw in self.pruned_weights])
+        position = {id(v): i for i, v in enumerate(self.layer.variables)}
+        self._positions = [position[id(pw.variable)] for pw in self.pruned_weights]
         self.built = True
+
+    def _paths_at_positions(self, variables: dict[str, keras.Variable]) -> dict[str, int]:
+        """The spec with each path replaced by the current path of the variable at its position."""
+        layer_variables = self.layer.variables
+        if len(self._positions) != len(self._spec) or not all(
+            0 <= i < len(layer_variables) for i in self._positions
+        ):
+            raise ValueError(
+                f"Sparse24: layer {self.layer.name!r} has {len(layer_variables)} variables; "
+                f"weight_positions={self._positions} does not fit weights={self._spec}."
+            )
+        path_of = {id(v): p for p, v in variables.items()}
+        return {
+            path_of[id(layer_variables[i])]: axis
+            for i, axis in zip(self._positions, self._spec.values())
+        }
 
     def __call__(self, *args, **kwargs):
         if not self.layer.built:
@@ -280,4 +305,9 @@ class Sparse24(keras.layers.Wrapper):
         return outputs
 
     def get_config(self):
-        return {**super().get_config(), "pattern": self.pattern, "weights": self._spec}
+        return {
+            **super().get_config(),
+            "pattern": self.pattern,
+            "weights": self._spec,
+            "weight_positions": self._positions,
+        }
