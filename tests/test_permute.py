@@ -221,3 +221,194 @@ def test_permute_sequential_and_errors():
         permute(keras.layers.Dense(4))
     with pytest.raises(ValueError, match="no layer named"):
         permute(model, layers=["nope"])
+
+
+def _assert_same_function(model, permuted, x):
+    """`permuted` computes what `model` does (every output; float32 rounding relative to scale)."""
+    before = keras.tree.flatten(model(x, training=False))
+    after = keras.tree.flatten(permuted(x, training=False))
+    assert len(before) == len(after)
+    for a, b in zip(after, before):
+        a, b = keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(b).max()))
+
+
+def _x(*shape, seed=1):
+    return np.random.default_rng(seed).normal(size=shape).astype("float32")
+
+
+def test_permute_sequential_with_a_reused_activation_skips_its_consumers():
+    # One ReLU object used twice: its consumers' channels come from two different producers.
+    relu = keras.layers.ReLU(name="relu")
+    layers = keras.layers
+    model = keras.Sequential([keras.Input((16,)), layers.Dense(16, name="d0"), relu,
+                              layers.Dense(16, name="d1"), relu, layers.Dense(16, name="d2"),
+                              layers.ReLU(), layers.Dense(4, name="d3")])
+    _randomize(model, seed=6)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 16))
+    by_consumer = {r.consumers: r for r in reports}
+    for name in ("d1", "d2"):
+        r = by_consumer[(name,)]
+        assert not r.permuted and "'relu' (ReLU), which is shared" in r.reason
+    assert by_consumer[("d3",)].permuted and by_consumer[("d3",)].producer == "d2"
+
+
+def test_permute_sequential_with_a_layer_used_twice_skips_it():
+    a = keras.layers.Dense(16, name="a")
+    model = keras.Sequential([keras.Input((16,)), a, keras.layers.Dense(16, name="b"), a,
+                              keras.layers.Dense(4, name="c")])  # x -> a -> b -> a -> c
+    _randomize(model, seed=7)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 16))
+    assert not any(r.permuted for r in reports)
+    reasons = {r.consumers: r.reason for r in reports}
+    assert reasons[("a",)] == "'a' is shared or has several inputs"
+    assert reasons[("b", "c")] == "'a' (Dense) is shared"
+
+
+def _chain(widths=(16, 32, 16, 4), names=("d0", "d1", "d2", "d3")):
+    inputs = keras.Input((16,))
+    x = inputs
+    for width, name in zip(widths, names):
+        x = keras.layers.Dense(width, name=name)(keras.layers.ReLU()(x) if name != "d0" else x)
+    return keras.Model(inputs, x)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["lora", "int8", "int4", "float8"],
+)
+def test_permute_skips_quantized_and_lora_layers(mode):
+    model = _chain()
+    _randomize(model, seed=8)
+    d1 = model.get_layer("d1")
+    if mode == "lora":
+        d1.enable_lora(4)
+        d1.lora_kernel_b.assign(_x(4, 32, seed=9))  # adapters that change the kernel
+    else:
+        d1.quantize(mode)
+    x = _x(8, 16)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, x)
+    by_producer = {r.producer: r for r in reports}
+    expected = f"'d1' (Dense) is quantized ({mode})"
+    if mode == "lora":
+        expected = "LoRA is enabled on 'd1' (Dense)"
+    for producer in ("d0", "d1"):  # d1 consumes d0's channels and produces d2's
+        assert not by_producer[producer].permuted and expected in by_producer[producer].reason
+    assert by_producer["d2"].permuted
+
+
+def test_permute_skips_channels_through_keras_ops():
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, name="d0")(inputs * 2.0)
+    x = keras.layers.Dense(16, name="d1")(keras.ops.relu(x))
+    x = keras.layers.Dense(16, name="d2")(keras.layers.ReLU()(x))
+    outputs = keras.layers.Dense(4, name="d3")(x[:, :8])
+    model = keras.Model(inputs, outputs)
+    _randomize(model, seed=10)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 16))
+    reasons = {r.consumers: r.reason for r in reports if not r.permuted}
+    assert "'multiply' (keras op Multiply), which cannot be permuted" in reasons[("d0",)]
+    assert "(keras op Relu), which cannot be permuted" in reasons[("d1",)]
+    assert "(keras op GetItem), which cannot be permuted" in reasons[("d3",)]
+    assert [r.consumers for r in reports if r.permuted] == [("d2",)]
+
+
+@pytest.mark.parametrize("structure", ["dict", "nested list"])
+def test_permute_models_with_dict_and_nested_outputs(structure):
+    inputs = keras.Input((16,))
+    h = keras.layers.ReLU()(keras.layers.Dense(32, name="h")(inputs))
+    a, b = keras.layers.Dense(8, name="a")(h), keras.layers.Dense(4, name="b")(h)
+    model = keras.Model(inputs, {"a": a, "b": b} if structure == "dict" else [[a], b])
+    _randomize(model, seed=11)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 16))
+    assert [(r.producer, r.consumers) for r in reports if r.permuted] == [("h", ("a", "b"))]
+
+
+def test_permute_copies_lambda_layers():
+    inputs = keras.Input((16,))
+    x = keras.layers.Lambda(lambda t: t / 4.0)(inputs)
+    x = keras.layers.Dense(32, name="d0")(x)
+    outputs = keras.layers.Dense(8, name="d1")(keras.layers.ReLU()(x))
+    model = keras.Model(inputs, outputs)
+    _randomize(model, seed=12)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 16))
+    assert [r.consumers for r in reports if r.permuted] == [("d1",)]
+
+
+def test_permute_copies_an_adapted_lookup():
+    lookup = keras.layers.IntegerLookup()
+    lookup.adapt(np.array([3, 7, 11, 42, 99]))
+    inputs = keras.Input((5,), dtype="int64")
+    x = keras.layers.Embedding(10, 16)(lookup(inputs))
+    x = keras.layers.Dense(16, name="d0")(x)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d1")(x))
+    _randomize(model, seed=13)
+    x = np.array([[3, 7, 11, 42, 99], [99, 5, 3, 3, 0]], "int64")
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, x)
+    assert [r.consumers for r in reports if r.permuted] == [("d1",)]
+
+
+def test_permute_skips_a_layer_shared_with_a_nested_model():
+    shared = keras.layers.Dense(16, name="s")
+    inner_inputs = keras.Input((16,))
+    inner = keras.Model(inner_inputs, shared(inner_inputs), name="inner")
+    inputs = keras.Input((8,))
+    x = shared(keras.layers.Dense(16, name="d0")(inputs))
+    x = inner(keras.layers.Dense(16, name="d1")(x))
+    x = keras.layers.Dense(16, name="d2")(x)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d3")(x))
+    _randomize(model, seed=14)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 8))
+    reasons = {r.consumers: r.reason for r in reports if not r.permuted}
+    assert reasons[("s",)] == "'s' is shared or has several inputs"
+    assert reasons[("d1",)] == "'s' (Dense) is shared"
+    assert "'inner' (Functional), which cannot be permuted" in reasons[("d2",)]
+    assert [(r.producer, r.consumers) for r in reports if r.permuted] == [("d2", ("d3",))]
+
+
+@pytest.mark.parametrize("which", ["name", "object", "class"])
+def test_permute_layers_accepts_one_name_layer_objects_and_classes(which):
+    model = _chain()
+    _randomize(model, seed=15)
+    selector = {"name": "d2", "object": [model.get_layer("d2")],
+                "class": keras.layers.Dense}[which]
+
+    permuted, reports = permute(model, layers=selector, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 16))
+    searched = [r.consumers for r in reports]
+    assert searched == ([("d0",), ("d1",), ("d2",), ("d3",)] if which == "class" else [("d2",)])
+    with pytest.raises(ValueError, match=r"no layer named \['nope'\]"):
+        permute(model, layers="nope")
+
+
+def test_permute_nan_kernel_error_names_the_layer():
+    model = _chain()
+    kernel = model.get_layer("d2").kernel
+    kernel.assign(np.where(np.arange(kernel.shape[0])[:, None] == 3, np.nan, kernel.numpy()))
+    with pytest.raises(ValueError, match="layer 'd2'.*NaN/Inf"):
+        permute(model, kicks=1, progress=False)

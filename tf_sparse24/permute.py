@@ -28,12 +28,21 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
+import keras
 import numpy as np
 
-if TYPE_CHECKING:  # keras is imported where the Keras side runs
-    import keras
+from tf_sparse24.prune import (
+    _check_model,
+    _check_selectors,
+    _check_untied,
+    _copy_layer,
+    _is_functional,
+    _matches,
+    walk_layers,
+)
+from tf_sparse24.registry import lora_layers, quantized_layers
 
 _EPS = 1e-6  # gains below this (in summed |w|) are noise: stop searching
 
@@ -367,6 +376,25 @@ class PermutationReport:
         return 100.0 * (self.kept_after / self.kept_before - 1.0) if self.kept_before else 0.0
 
 
+class _Graph(NamedTuple):
+    """A model's top-level graph by operation name: its layers and keras ops (`x[:, :16]`)."""
+
+    ops: dict[str, keras.Operation]
+    inputs: dict[str, list[list[str]]]  # per call of an operation, the names of what it reads
+    consumers: dict[str, list[str]]  # the operations that read each one's output
+    outputs: set[str]  # operations whose output is a model output
+    hidden: set[str]  # layers also used inside another layer (a nested model): calls not seen here
+
+
+class _Plan(NamedTuple):
+    """One group to permute: the layer names and the consumers' kernels as `[rows, channels]`."""
+
+    producer: str
+    through: list[str]
+    consumers: list[str]
+    rows: np.ndarray
+
+
 def _history_names(obj) -> list[str]:
     """Names of the layers whose outputs appear in a serialized call argument structure."""
     if isinstance(obj, dict):
@@ -378,39 +406,60 @@ def _history_names(obj) -> list[str]:
     return []
 
 
-def _graph(model) -> tuple[dict, dict, set]:
-    """`(inputs, consumers, model_outputs)` by layer name, from the model's public config.
+def _output_names(spec) -> list[str]:
+    """Names in a Functional config's `output_layers`: `[name, node, tensor]` triples, nested in
+    lists and dicts."""
+    if isinstance(spec, dict):
+        return [n for v in spec.values() for n in _output_names(v)]
+    if len(spec) == 3 and isinstance(spec[0], str):
+        return [spec[0]]
+    return [n for v in spec for n in _output_names(v)]
+
+
+def _graph(model: keras.Model) -> _Graph:
+    """The top-level graph of a Functional (from its public config) or Sequential model.
 
     Raises:
         TypeError: for models without a layer graph (subclassed models).
     """
-    import keras
-
-    config = model.get_config() if isinstance(model, keras.Model) else None
-    layers = (config or {}).get("layers")
-    if not isinstance(layers, list):
+    if isinstance(model, keras.Sequential):
+        ops = {layer.name: layer for layer in model.layers}
+        names = [layer.name for layer in model.layers]
+        inputs: dict[str, list[list[str]]] = {}
+        for source, name in zip([_MODEL_INPUT, *names], names):
+            inputs.setdefault(name, []).append([source])  # a layer used twice: two calls
+        outputs = set(names[-1:])
+    elif _is_functional(model):
+        config = model.get_config()
+        ops = {op.name: op for op in model.operations}
+        inputs = {spec["name"]: [_history_names(node) for node in spec.get("inbound_nodes", [])]
+                  for spec in config["layers"]}
+        outputs = set(_output_names(config["output_layers"]))
+    else:
         raise TypeError(
             "permute() needs a Functional or Sequential keras.Model (it reads the layer graph). "
             f"Received: {type(model).__name__}"
         )
-    inputs: dict[str, list] = {}
-    if isinstance(model, keras.Sequential):
-        names = [layer.name for layer in model.layers]
-        for prev, name in zip([None, *names], names):
-            inputs[name] = [[prev or _MODEL_INPUT]]
-        outputs = {names[-1]} if names else set()
-    else:
-        for spec in layers:
-            inputs[spec["name"]] = [_history_names(node) for node in spec.get("inbound_nodes", [])]
-        out = config["output_layers"]
-        out = [out] if out and isinstance(out[0], str) else out
-        outputs = {o[0] for o in out}
     consumers: dict[str, list[str]] = {name: [] for name in inputs}
     for name, nodes in inputs.items():
         for node in nodes:
-            for src in node:
-                consumers.setdefault(src, []).append(name)
-    return inputs, consumers, outputs
+            for source in node:
+                consumers.setdefault(source, []).append(name)
+    inside = {id(sub) for layer in model.layers for sub in walk_layers(layer)}
+    hidden = {name for name, op in ops.items() if id(op) in inside}
+    return _Graph(ops, inputs, consumers, outputs, hidden)
+
+
+def _describe(op) -> str:
+    """`'name' (Class)`, or `'name' (keras op Class)` for an operation that is not a layer."""
+    kind = type(op).__name__
+    return f"{op.name!r} ({kind if isinstance(op, keras.layers.Layer) else 'keras op ' + kind})"
+
+
+def _shared(graph: _Graph, name: str) -> bool:
+    """Whether `name` is called more than once, on several inputs, or inside another layer."""
+    nodes = graph.inputs.get(name, [])
+    return len(nodes) != 1 or len(nodes[0]) != 1 or name in graph.hidden
 
 
 def _kernel_axis(layer) -> int | None:
@@ -425,64 +474,120 @@ def _kernel_axis(layer) -> int | None:
 
 
 def _passes(layer) -> bool:
+    """Whether an unshared `layer` commutes with a permutation of its input's last axis."""
     kind = type(layer).__name__
+    if not isinstance(layer, keras.layers.Layer):
+        return False
     if getattr(layer, "data_format", "channels_last") != "channels_last":
         return False
-    if kind == "BatchNormalization":
-        return layer.axis in (-1, len(layer.input.shape) - 1)
-    if kind == "LayerNormalization":
-        axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
-        return list(axis) in ([-1], [len(layer.input.shape) - 1])
-    if kind == "Softmax":
+    if kind in (*_PER_CHANNEL, "Softmax"):  # normalizes over an axis: the channel axis only
         axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
         return list(axis) in ([-1], [len(layer.input.shape) - 1])
     return kind in _PASS_THROUGH
 
 
-def _group(model, producer: str, graph) -> tuple[list[str], list[str], str]:
+def _frozen(layer: keras.layers.Layer) -> str:
+    """Why `layer`'s weights cannot be permuted as plain arrays ('' when they can)."""
+    if quantized_layers(layer):
+        return (f"{_describe(layer)} is quantized ({layer.quantization_mode}): permute the float "
+                "model, then quantize")
+    if lora_layers(layer, layer.weights):
+        return f"LoRA is enabled on {_describe(layer)} (its kernel is kernel + lora_a @ lora_b)"
+    return ""
+
+
+def _group(graph: _Graph, producer: str) -> tuple[list[str], list[str], str]:
     """Layers between `producer` and its consumers: `(pass_through, consumers, skip_reason)`."""
-    inputs, consumers_of, outputs = graph
+    if _shared(graph, producer):
+        return [], [], f"{_describe(graph.ops[producer])} is shared"
     through, consumers, frontier = [], [], [producer]
     while frontier:
         name = frontier.pop()
-        if name in outputs:
+        if name in graph.outputs:
             return [], [], f"{name!r} is a model output"
-        for user in consumers_of.get(name, []):
-            layer = model.get_layer(user)
-            if len(inputs[user]) != 1 or len(inputs[user][0]) != 1:
-                return [], [], f"{user!r} ({type(layer).__name__}) is shared or has several inputs"
-            if _kernel_axis(layer) is not None:
+        for user in graph.consumers.get(name, []):
+            op = graph.ops[user]
+            if _shared(graph, user):
+                return [], [], f"{_describe(op)} is shared or has several inputs"
+            if _kernel_axis(op) is not None:
                 consumers.append(user)
-            elif type(layer).__name__ in _PASS_THROUGH | _PER_CHANNEL and _passes(layer):
+            elif _passes(op):
                 through.append(user)
                 frontier.append(user)
             else:
-                return [], [], f"channels reach {user!r} ({type(layer).__name__}), which cannot be permuted"
+                return [], [], f"channels reach {_describe(op)}, which cannot be permuted"
     if not consumers:
         return [], [], "no Dense/Conv layer consumes these channels"
+    for name in [producer, *through, *consumers]:
+        if reason := _frozen(graph.ops[name]):
+            return [], [], reason
     return through, consumers, ""
 
 
-def _producer_of(model, name: str, graph) -> tuple[str | None, str]:
+def _producer_of(graph: _Graph, name: str) -> tuple[str | None, str]:
     """Walks back from consumer `name` through pass-through layers to the producing layer."""
-    inputs = graph[0]
+    if _shared(graph, name):
+        return None, f"{name!r} is shared or has several inputs"
     current = name
     while True:
-        nodes = inputs.get(current, [])
-        if len(nodes) != 1 or len(nodes[0]) != 1:
-            return None, f"{current!r} is shared or has several inputs"
-        source = nodes[0][0]
-        layer = None if source == _MODEL_INPUT else model.get_layer(source)
-        kind = type(layer).__name__
-        if layer is None or kind == "InputLayer":
+        source = graph.inputs[current][0][0]
+        op = graph.ops.get(source)
+        if op is None or isinstance(op, keras.layers.InputLayer):
             return None, "its input channels come from the model input"
-        if _kernel_axis(layer) is not None:
+        if _kernel_axis(op) is not None:
             return source, ""
-        if len(inputs[source]) != 1:
-            return None, f"its input channels come from shared layer {source!r} ({kind})"
-        if not (kind in _PASS_THROUGH | _PER_CHANNEL and _passes(layer)):
-            return None, f"its input channels come from {source!r} ({kind}), which cannot be permuted"
+        if _shared(graph, source):
+            return None, (f"its input channels come from {_describe(op)}, which is shared or has "
+                          "several inputs")
+        if not _passes(op):
+            return None, f"its input channels come from {_describe(op)}, which cannot be permuted"
         current = source
+
+
+def _channel_rows(layers: list[keras.layers.Layer]) -> np.ndarray:
+    """The consumers' kernels as one `[rows, channels]` matrix (ASP's orientation).
+
+    Raises:
+        ValueError: naming the first layer whose kernel has NaN/Inf.
+    """
+    rows = []
+    for layer in layers:
+        kernel = layer.kernel.numpy()
+        if not np.all(np.isfinite(kernel)):
+            raise ValueError(
+                f"permute(): the kernel of layer {layer.name!r} contains NaN/Inf; cannot search a "
+                "channel order for it."
+            )
+        rows.append(channel_matrix(kernel, kernel.ndim - 2))
+    return np.concatenate(rows)
+
+
+def _plan(graph: _Graph, selectors: list) -> tuple[list[_Plan], list[PermutationReport]]:
+    """The groups to permute (their kernels read and checked) and reports for the skipped ones."""
+    groups: dict[str, list[str]] = {}
+    reports = []
+    for name, op in graph.ops.items():
+        if _kernel_axis(op) is None or (selectors and not _matches(op, selectors)):
+            continue
+        producer, reason = _producer_of(graph, name)
+        if producer is None:
+            reports.append(PermutationReport(None, (name,), 0, False, reason))
+        else:
+            groups.setdefault(producer, []).append(name)
+    plans = []
+    for producer, selected in groups.items():
+        through, consumers, reason = _group(graph, producer)
+        layer = graph.ops[producer]
+        channels = int(getattr(layer, "units", None) or layer.filters)
+        if not reason and channels % 4:
+            reason = f"{channels} channels, not a multiple of 4"
+        if reason:
+            skipped = tuple(consumers or selected)
+            reports.append(PermutationReport(producer, skipped, channels, False, reason))
+        else:
+            rows = _channel_rows([graph.ops[c] for c in consumers])
+            plans.append(_Plan(producer, through, consumers, rows))
+    return plans, reports
 
 
 def permute(
@@ -500,17 +605,20 @@ def permute(
     activations, dropout, pooling, BatchNormalization or LayerNormalization), searches a channel
     order for the consumers' kernels (`search_permutation`, all consumers of the same channels
     together) and applies it to the consumers' kernel input axis, the producer's kernel output axis
-    and bias, and every per-channel weight in between. The copy computes the same function as
-    `model` (up to float rounding) but its 2:4 masks keep more. Run it on the trained dense model,
-    before `tf_sparse24.prune`. The caller's model is not changed.
+    and bias, and every per-channel weight in between. The copy (made as `tf_sparse24.prune` makes
+    its copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
+    more. Run it on the trained dense model, before `tf_sparse24.prune`. The caller's model is not
+    changed.
 
     Skipped, with a reason in the report: layers fed by the model input, channels that reach a
-    residual add, concatenation, model output, shared layer or any other layer not known to commute
-    with a channel permutation, and channel counts that are not a multiple of 4.
+    residual add, concatenation, model output, shared layer (called twice, or also inside a nested
+    model), keras op (`x * 2.0`, `x[:, :16]`) or any other layer not known to commute with a channel
+    permutation; quantized or LoRA-enabled layers; channel counts that are not a multiple of 4.
 
     Args:
         model: a built Functional or Sequential keras.Model.
-        layers: only search for these consumer layer names (None = all).
+        layers: only search for these consumers (layer names, layer objects or layer classes, as
+            in `tf_sparse24.prune`; None = all).
         kicks: escape rounds per search (see `search_permutation`).
         seed: seed of the searches.
         progress: show a tqdm progress bar over the searches.
@@ -521,71 +629,42 @@ def permute(
 
     Raises:
         TypeError: for a subclassed model or a non-model.
-        ValueError: for an unbuilt model or an unknown layer name.
+        ValueError: for an unbuilt model, an unknown layer name, a consumer kernel with NaN/Inf
+            (naming the layer) or a weight shared by two layers (copies would untie it).
 
     Example:
         >>> model, reports = tf_sparse24.permute(model)
         >>> model = tf_sparse24.prune(model)
     """
-    import keras
-
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"permute() expects a keras.Model. Received: {type(model).__name__}")
-    if not model.built:
-        raise ValueError(f"permute() needs a built model. Received: unbuilt model {model.name!r}")
+    _check_model(model, "permute")
     graph = _graph(model)
-    names = set(graph[0])
-    unknown = sorted(set(layers or []) - names)
-    if unknown:
-        raise ValueError(f"layers: no layer named {unknown} in model {model.name!r}.")
-
-    reports, groups = [], {}
-    for name in graph[0]:
-        if _kernel_axis(model.get_layer(name)) is None or (layers and name not in layers):
-            continue
-        producer, reason = _producer_of(model, name, graph)
-        if producer is None:
-            reports.append(PermutationReport(None, (name,), 0, False, reason))
-        else:
-            groups.setdefault(producer, []).append(name)
-
-    clone = keras.models.clone_model(model)
-    clone.set_weights(model.get_weights())
-    plans = []
-    for producer in groups:
-        through, consumers, reason = _group(model, producer, graph)
-        channels = int(model.get_layer(producer).kernel.shape[-1])
-        if not reason and channels % 4:
-            reason = f"{channels} channels, not a multiple of 4"
-        if reason:
-            reports.append(PermutationReport(producer, tuple(consumers or groups[producer]), channels, False, reason))
-        else:
-            plans.append((producer, through, consumers, channels))
-
+    selectors = _check_selectors(model, layers, "layers")
+    _check_untied(model, "permute")
+    plans, reports = _plan(graph, selectors)
+    copy = keras.models.clone_model(model, clone_function=_copy_layer, recursive=True)
     bar = None
     if progress and plans:
         from tqdm.auto import tqdm
 
         bar = tqdm(plans, desc="channel permutations", unit="layer", leave=False)
-    for producer, through, consumers, channels in bar if bar is not None else plans:
-        kernels = [clone.get_layer(c).kernel.numpy() for c in consumers]
-        rows = np.concatenate([channel_matrix(k, k.ndim - 2) for k in kernels])
-        perm = search_permutation(rows, axis=1, kicks=kicks, seed=seed)
-        _apply(clone.get_layer(producer), [clone.get_layer(t) for t in through],
-               [clone.get_layer(c) for c in consumers], perm)
+    for plan in bar if bar is not None else plans:
+        perm = search_permutation(plan.rows, axis=1, kicks=kicks, seed=seed)
+        _apply(copy.get_layer(plan.producer), [copy.get_layer(t) for t in plan.through],
+               [copy.get_layer(c) for c in plan.consumers], perm)
         reports.append(PermutationReport(
-            producer, tuple(consumers), channels, True, "", kept_magnitude(rows),
-            kept_magnitude(rows, perm), permutation_efficacy(rows, perm)))
+            plan.producer, tuple(plan.consumers), len(perm), True, "", kept_magnitude(plan.rows),
+            kept_magnitude(plan.rows, perm), permutation_efficacy(plan.rows, perm)))
     if print_fn is not None:
         for r in reports:
             what = (f"kept |w| {r.kept_before:.4g} -> {r.kept_after:.4g} (+{r.gain_percent:.2f}%, "
                     f"efficacy {r.efficacy:.1f}%)" if r.permuted else f"skipped: {r.reason}")
             print_fn(f"{r.producer or '-'} -> {', '.join(r.consumers)} [{r.channels} ch]: {what}")
-    return clone, reports
+    return copy, reports
 
 
 def _apply(producer, through, consumers, perm: np.ndarray) -> None:
-    """Permutes the producer's output channels, per-channel weights and consumers' input channels."""
+    """Permutes the producer's output channels, per-channel weights and consumers' input
+    channels."""
 
     def take(variable, axis: int) -> None:
         variable.assign(np.take(variable.numpy(), perm, axis=axis))
