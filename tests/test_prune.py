@@ -630,6 +630,28 @@ def test_quantization_and_masks_do_not_mix_silently():
         pruned(x)
 
 
+@pytest.mark.parametrize("mode", ["int8", "float8"])
+def test_a_model_with_quantized_layers_is_copied_exactly(mode):
+    """The quantized layer is copied as it is (a float8 Dense made from its config creates its
+    variables in another order: copied by name) and the float layer after it is pruned."""
+    keras.utils.set_random_seed(1)
+    x = np.random.default_rng(1).normal(size=(4, 16)).astype("float32")
+    model = keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(16, name="q"), keras.layers.Dense(8, name="d"),
+    ])  # fmt: skip
+    model.get_layer("q").quantize(mode)
+    pruned = ts.prune(model)
+    q = np.asarray(model.get_layer("q")(x), np.float64)
+    d = model.get_layer("d")
+    kernel = d.kernel.numpy().astype(np.float64)
+    want = q @ (kernel * reference_mask(kernel, 2, 4, 0)) + d.bias.numpy()
+    np.testing.assert_allclose(np.asarray(pruned(x)), want, rtol=1e-5, atol=1e-5)
+    copied = pruned.get_layer("q")
+    for v in model.get_layer("q").weights:
+        (twin,) = [w for w in copied.weights if w.name == v.name]
+        np.testing.assert_array_equal(twin.numpy(), v.numpy(), err_msg=v.name)
+
+
 class StatefulTagger(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -163,8 +163,8 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
 
     First as a `.keras` file would, layer by layer: `save_own_variables` / `load_own_variables` (an
     adapted Normalization recomputes its mean and variance) and `save_assets` / `load_assets`
-    (lookup vocabularies). Then the variables as they are (`set_weights`): Keras saves a LoRA
-    layer's kernel merged with its adapters and zeroes the adapters on loading.
+    (lookup vocabularies). Then the variables as they are: Keras saves a LoRA layer's kernel
+    merged with its adapters and zeroes the adapters on loading.
     """
     sources, targets = list(source._flatten_layers()), list(target._flatten_layers())
     if [type(a) for a in sources] != [type(b) for b in targets]:
@@ -188,7 +188,27 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
             # Kept out of variables and files by Keras; a stateful RNN's copy goes on from here.
             for mine, theirs in zip(keras.tree.flatten(b.states), keras.tree.flatten(a.states)):
                 mine.assign(theirs)
-    target.set_weights(source.get_weights())
+        _copy_own_variables(a, b)
+
+
+def _copy_own_variables(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
+    """Assigns each of `source`'s own variables to `target`'s variable of the same name; by
+    position if names do not tell them apart (a float8 Dense made from its config creates its
+    scale variables first)."""
+    theirs = source._trainable_variables + source._non_trainable_variables
+    mine = target._trainable_variables + target._non_trainable_variables
+    by_name = {v.name: v for v in mine}
+    if len(by_name) == len(mine) == len({v.name for v in theirs}) == len(theirs) and all(
+        v.name in by_name for v in theirs
+    ):
+        mine = [by_name[v.name] for v in theirs]
+    if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+        raise TypeError(
+            f"Cannot copy layer {source.name!r} ({type(source).__name__}): its copy has other "
+            f"variables ({[v.name for v in mine]}, not {[v.name for v in theirs]})."
+        )
+    for variable, value in zip(mine, theirs):
+        variable.assign(value)
 
 
 def _copy_layer(layer):
