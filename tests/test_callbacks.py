@@ -5,6 +5,7 @@ import csv
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from test_masks import reference_mask
 
 import tf_sparse24 as ts
@@ -318,3 +319,68 @@ def test_callback_is_reusable_and_validates():
         ts.Sparse24Callback(update_every=0)
     with pytest.raises(ValueError, match="start_step=-1"):
         ts.Sparse24Callback(start_step=-1)
+
+
+def test_a_warm_up_that_discards_masks_loaded_from_a_file_says_so(tmp_path, recwarn):
+    """Masks loaded from a file (an earlier phase, another process) are not prune()'s."""
+    model = pruned_mlp()
+    compile_(model, keras.optimizers.Adam(0.05))
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0,
+              callbacks=[ts.Sparse24Callback(start_step=2)])
+    path = str(tmp_path / "phase1.weights.h5")
+    model.save_weights(path)
+    assert not [w for w in recwarn if "Sparse24Callback" in str(w.message)]
+    resumed = pruned_mlp(seed=1)
+    resumed.load_weights(path)
+    compile_(resumed, keras.optimizers.Adam(0.01))
+    with pytest.warns(UserWarning, match=r"the masks of .* are reset to ones.*or a file"):
+        resumed.fit(X, Y, batch_size=64, epochs=1, verbose=0,
+                    callbacks=[ts.Sparse24Callback(start_step=2)])
+
+
+def test_resuming_a_schedule_on_data_of_unknown_size_without_optimizer_state_is_refused():
+    model = pruned_mlp()
+    compile_(model, keras.optimizers.Adam(0.01))
+    before = masks(model)
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda a, b: True).batch(16)
+    with pytest.raises(ValueError, match=r"initial_epoch=2.*unknown size.*steps_per_epoch"):
+        model.fit(data, initial_epoch=2, epochs=3, verbose=0,
+                  callbacks=[ts.Sparse24Callback(start_step=5)])
+    assert all(np.array_equal(a, b) for a, b in zip(masks(model), before))  # nothing reset
+
+
+def test_masks_due_inside_the_last_execution_are_computed_at_the_end_of_fit():
+    model = pruned_mlp()
+    model.compile(keras.optimizers.SGD(0.05),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=4)
+    # 8 steps: executions 0-3 and 4-7; step 6 is due inside the last one.
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[ts.Sparse24Callback(start_step=6)])
+    for layer in ts.pruned_layers(model):
+        for pw in layer.pruned_weights:
+            assert pw.mask.numpy().mean() == 0.5, pw.name
+            assert ts.is_nm_sparse(layer.effective_weight(pw), "2:4", pw.axis)
+
+
+class RestoreDenseWarmUp(keras.callbacks.Callback):
+    """Stands for EarlyStopping(restore_best_weights=True) picking an epoch of the warm-up."""
+
+    def on_train_begin(self, logs=None):
+        self.snapshot = self.model.get_weights()
+
+    def on_train_end(self, logs=None):
+        self.model.set_weights(self.snapshot)
+
+
+def test_weights_restored_from_the_dense_warm_up_are_reported_at_the_end_of_fit():
+    model = pruned_mlp()
+    compile_(model, keras.optimizers.Adam(0.01))
+    for layer in ts.pruned_layers(model):  # masks of ones, as during a warm-up
+        for pw in layer.pruned_weights:
+            pw.mask.assign(np.ones(pw.mask.shape, pw.mask.dtype))
+    callbacks = [RestoreDenseWarmUp(), ts.Sparse24Callback(start_step=1)]
+    with pytest.warns(UserWarning, match=r"end of fit\(\) the effective weights .* are not N:M"):
+        model.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=callbacks)
+    with pytest.warns(UserWarning, match=r"strip\(\): the effective weights .* are not N:M"):
+        ts.strip(model)

@@ -680,3 +680,17 @@ def test_stateful_rnn_state_is_copied_and_an_uncopyable_subclassed_model_is_name
     tagger(x)
     with pytest.raises(TypeError, match=r"layers \[.*lstm.*\] are not built.*in place"):
         ts.prune(tagger)
+
+
+@pytest.mark.parametrize("saved, loaded", [("2:4", "1:4"), ("1:4", "2:4")])
+def test_weights_saved_for_another_pattern_are_refused(saved, loaded, tmp_path):
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="d")])
+    path = str(tmp_path / "saved.weights.h5")
+    ts.prune(model, saved).save_weights(path)
+    target = ts.prune(model, loaded)
+    (wrapper,) = ts.pruned_layers(target)
+    mask = wrapper.pruned_weights[0].mask
+    before = mask.numpy().copy()
+    with pytest.raises(ValueError, match=rf"mask of 'kernel' being loaded keeps .* is {loaded}"):
+        target.load_weights(path)
+    assert np.array_equal(mask.numpy(), before)  # the masks are kept

@@ -9,17 +9,12 @@ the callback reads the step from the optimizer and keeps only its schedule, rese
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import keras
 import numpy as np
 
 from tf_sparse24.masks import is_nm_sparse
 from tf_sparse24.prune import pruned_layers
-
-# Wrappers whose masks a Sparse24Callback computed in this process (not those prune() computed):
-# a later warm-up that resets them says so.
-_COMPUTED_IN_TRAINING: weakref.WeakSet = weakref.WeakSet()
 
 
 class Sparse24Callback(keras.callbacks.Callback):
@@ -29,7 +24,13 @@ class Sparse24Callback(keras.callbacks.Callback):
     update), offset to `initial_epoch * steps_per_epoch` when resuming without optimizer state.
     It is read before each batch callback; with `steps_per_execution > 1` (one callback per
     execution) a computation due inside an execution runs at the next execution boundary, at
-    most `steps_per_execution - 1` steps late (masks stay ones until then).
+    most `steps_per_execution - 1` steps late (masks stay ones until then), or at the end of
+    `fit` if that comes first.
+
+    Order in `callbacks=[...]`: after EarlyStopping / ModelCheckpoint, before CSVLogger and
+    TensorBoard. Callbacks listed after this one see its logs; at the end of `fit` it warns if a
+    callback listed before it restored weights that are not N:M (EarlyStopping with
+    `restore_best_weights=True` picking an epoch of the dense warm-up).
 
     Args:
         start_step: dense warm-up. Before this step every mask is ones (the model trains dense);
@@ -42,8 +43,13 @@ class Sparse24Callback(keras.callbacks.Callback):
         check: verify at every epoch end that each effective weight is exactly N:M; raises
             RuntimeError naming the layer and weight otherwise.
 
-    Logs (added to `logs` at each epoch end, so History/CSVLogger/TensorBoard see them):
-        `sparsity` (fraction of zeros over all pruned weights) and `sparse24_valid` (1.0 or 0.0).
+    Logs (added to `logs` at each epoch end: History and the callbacks listed after this one see
+    them): `sparsity` (fraction of zeros over all pruned weights) and `sparse24_valid` (1.0 or
+    0.0).
+
+    Raises:
+        ValueError: resuming (`initial_epoch > 0`) with a schedule, an optimizer at step 0 and
+            data of unknown size: the training step cannot be known.
 
     Example:
         >>> model.fit(x, y, epochs=3, callbacks=[Sparse24Callback()])
@@ -100,25 +106,33 @@ class Sparse24Callback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._offset is None:  # first epoch of this fit(): find where training resumes
-            steps = (self.params or {}).get("steps") or 0
+            steps = (self.params or {}).get("steps")
             iterations = self._iterations()
-            self._offset = max(0, epoch * steps - iterations)
+            scheduled = self.start_step is not None or self.update_every is not None
+            if scheduled and epoch > 0 and iterations == 0 and not steps:
+                raise ValueError(
+                    f"Sparse24Callback: fit(initial_epoch={epoch}) with an optimizer at step 0 (no "
+                    "optimizer state) on data of unknown size: the training step, and so the mask "
+                    "schedule, is unknown. Pass steps_per_epoch to fit(), or restore the optimizer "
+                    "state (a .keras file holds it)."
+                )
+            self._offset = max(0, epoch * (steps or 0) - iterations)
             step = iterations + self._offset
             self._next = self._due_from(step)
             if self.start_step is not None and step < self.start_step:
                 self._reset_masks(step)
 
     def _reset_masks(self, step: int) -> None:
-        """Masks of ones for the dense warm-up; says so if that discards masks computed during an
-        earlier fit (a new optimizer restarts `iterations` at 0)."""
+        """Masks of ones for the dense warm-up; says so if that discards masks other than those
+        `prune()` computed in this process (an earlier fit's, or loaded from a file)."""
         weights = [(layer, pw) for layer in self._layers for pw in layer.pruned_weights]
         if computed := [f"{layer.name}/{pw.name}" for layer, pw in weights
-                        if layer in _COMPUTED_IN_TRAINING and not np.all(pw.mask.numpy())]:
+                        if layer.masks_source != "prune()" and not np.all(pw.mask.numpy())]:
             warnings.warn(
                 f"Sparse24Callback: step {step} (optimizer.iterations) is before start_step="
                 f"{self.start_step}: the masks of {computed} are reset to ones for the dense "
                 f"warm-up and computed again at step {self.start_step}. If they come from an "
-                "earlier fine-tuning phase (a new optimizer starts at step 0), use "
+                "earlier fine-tuning phase or a file (a new optimizer starts at step 0), use "
                 "Sparse24Callback() without start_step to keep them.",
                 stacklevel=2,
             )
@@ -144,10 +158,37 @@ class Sparse24Callback(keras.callbacks.Callback):
                         stacklevel=2,
                     )
                 return
-            for layer in self._layers:
-                layer.update_masks(self.method)
-                _COMPUTED_IN_TRAINING.add(layer)
-            self._next = self._due_from(step + 1)
+            self._compute_masks(step)
+
+    def _compute_masks(self, step: int) -> None:
+        for layer in self._layers:
+            layer.update_masks(self.method)
+        self._next = self._due_from(step + 1)
+
+    def on_train_end(self, logs=None):
+        if self._offset is None:  # no epoch ran
+            return
+        step = self._iterations() + self._offset
+        if self._next is not None and self._next <= step and self.model.built:
+            self._compute_masks(step)  # due inside the last execution (steps_per_execution > 1)
+        warm = self.start_step is not None and self._next == self.start_step
+        if self.check and not warm and (broken := self._not_nm()):
+            warnings.warn(
+                f"Sparse24Callback: at the end of fit() the effective weights {broken} are not "
+                "N:M. A callback listed before this one restored weights from before the masks "
+                "were computed (EarlyStopping(restore_best_weights=True) picking an epoch of the "
+                "dense warm-up?). Start EarlyStopping after the warm-up (start_from_epoch), or "
+                "recompute the masks (update_masks()) and fine-tune.",
+                stacklevel=2,
+            )
+
+    def _not_nm(self) -> list[str]:
+        return [
+            f"{layer.name}/{pw.name}"
+            for layer in self._layers
+            for pw in layer.pruned_weights
+            if not is_nm_sparse(layer.effective_weight(pw), pw.pattern, pw.axis)
+        ]
 
     def on_epoch_end(self, epoch, logs=None):
         total = zeros = 0

@@ -285,6 +285,7 @@ def prune(
         wrapped.build()
         for pw in wrapped.pruned_weights:
             pw.mask.assign(spec[pw.name][1])
+        wrapped.masks_source = "prune()"
         return wrapped
 
     pruned = keras.models.clone_model(model, clone_function=clone, recursive=True)
@@ -354,6 +355,8 @@ def _prune_subclassed(model, pattern: str | None, layers, skip, method: str) -> 
     for i, copied in enumerate(pruned_layers(copy)):
         for pw, mask in zip(copied.pruned_weights, masks.get(i, [])):
             pw.mask.assign(mask)
+        if i in masks:
+            copied.masks_source = "prune()"
     return copy
 
 
@@ -390,6 +393,8 @@ def _copy_model(model: keras.Model) -> keras.Model:
 def strip(model: keras.Model) -> keras.Model:
     """Returns a plain Keras model (no wrappers) holding the exact N:M effective weights.
 
+    Warns (UserWarning) when an effective weight is not N:M (masks still ones).
+
     Raises:
         TypeError: for a subclassed model (its `call` names the wrappers; export it instead).
         ValueError: a weight shared by two layers (as in `prune`).
@@ -401,6 +406,18 @@ def strip(model: keras.Model) -> keras.Model:
             f"{model.name!r} ({type(model).__name__}); export it with tf_sparse24.export instead."
         )
     _check_untied(model, "strip")
+    if dense := [
+        f"{layer.name}/{pw.name}"
+        for layer in pruned_layers(model)
+        for pw in layer.pruned_weights
+        if not is_nm_sparse(layer.effective_weight(pw), pw.pattern, pw.axis)
+    ]:
+        warnings.warn(
+            f"strip(): the effective weights {dense} of model {model.name!r} are not N:M (masks "
+            "never computed, or reset for a dense warm-up and restored so, e.g. by "
+            "EarlyStopping(restore_best_weights=True)); the stripped model keeps them as they are.",
+            stacklevel=2,
+        )
 
     def clone(layer):
         if not isinstance(layer, Sparse24):

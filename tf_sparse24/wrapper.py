@@ -93,6 +93,21 @@ def stored_value(variable: keras.Variable):
         return variable.value
 
 
+def _pattern_mismatch(mask: np.ndarray, axis: int, n: int, m: int) -> str | None:
+    """How a mask being loaded contradicts pattern N:M, or None: more than N kept in a group, or
+    every group keeping the same other count (a mask made for another pattern). All ones (masks
+    not computed yet) fit any pattern; uneven counts up to N (a custom method) are left alone."""
+    groups = np.moveaxis(mask, axis, -1).reshape(-1, m)
+    kept = np.count_nonzero(groups, axis=1)
+    if kept.size == 0 or np.all(kept == m):
+        return None
+    if kept.max() > n:
+        return f"keeps up to {kept.max()} of every {m}"
+    if kept.min() == kept.max() != n:
+        return f"keeps {kept[0]} of every {m} (a {kept[0]}:{m} mask)"
+    return None
+
+
 def _check_masks_apply(layer: keras.layers.Layer, variables) -> None:
     """Refuses layers whose forward no longer reads the masked variables (LoRA, quantization)."""
     if names := lora_layers(layer, variables):
@@ -169,6 +184,10 @@ class Sparse24(keras.layers.Wrapper):
         self._spec = dict(weights) if weights is not None else None
         self._positions = list(weight_positions) if weight_positions is not None else None
         self.pruned_weights: list[PrunedWeight] = []
+        # Where the masks come from: "ones" (not computed), "prune()", "update_masks()" or
+        # "loaded". Sparse24Callback's dense warm-up resets prune()'s silently, others with a
+        # warning. Not saved.
+        self.masks_source = "ones"
 
     def build(self, input_shape=None):
         super().build(input_shape)
@@ -212,6 +231,24 @@ class Sparse24(keras.layers.Wrapper):
         position = {id(v): i for i, v in enumerate(self.layer.variables)}
         self._positions = [position[id(pw.variable)] for pw in self.pruned_weights]
         self.built = True
+
+    def load_own_variables(self, store):
+        """Loads the masks (`.keras`, `.weights.h5`), first refusing any made for another
+        pattern: a 2:4 file loaded into a 1:4 model (or the reverse) would run with the file's
+        sparsity under this layer's pattern name."""
+        n, m = parse_pattern(self.pattern)
+        for i, pw in enumerate(self.pruned_weights):
+            value = np.asarray(store[str(i)]) if str(i) in store else None
+            if value is None or value.shape != tuple(pw.mask.shape):
+                break  # Keras' own check names the missing or misshaped variable
+            if problem := _pattern_mismatch(value, pw.axis, n, m):
+                raise ValueError(
+                    f"Sparse24 {self.name!r}: the mask of {pw.name!r} being loaded {problem}, "
+                    f"but this layer is {self.pattern}. Was the file saved from a model pruned "
+                    "with another pattern? Its masks were left as they were."
+                )
+        super().load_own_variables(store)
+        self.masks_source = "loaded"
 
     def _paths_at_positions(self, variables: dict[str, keras.Variable]) -> dict[str, int]:
         """The spec with each path replaced by the current path of the variable at its position."""
@@ -286,6 +323,7 @@ class Sparse24(keras.layers.Wrapper):
         ]  # all checked before any assignment
         for pw, mask in zip(self.pruned_weights, masks):
             pw.mask.assign(mask)
+        self.masks_source = "update_masks()"
 
     def call(self, *args, **kwargs):
         _check_masks_apply(self.layer, [pw.variable for pw in self.pruned_weights])
