@@ -861,3 +861,45 @@ def test_signature_names_order_and_precision_survive_verify(tmp_path):
     prune_plain_layers(bf16)
     export(bf16, tmp_path / "bf16_in" / "1")
     assert "scores" in verify(tmp_path / "bf16_in" / "1", against=bf16)["max_abs_diff"]
+
+
+def two_input_models():
+    a, b = keras.Input((8,), name="a"), keras.Input((8,), name="b")
+    out = keras.layers.Dense(4, name="out")(keras.layers.Dense(8, name="h")(a) - b)
+    return {"dict": keras.Model({"a": a, "b": b}, out), "list": keras.Model([a, b], out)}
+
+
+@pytest.mark.parametrize("kind", ["dict", "list"])
+def test_a_list_input_signature_binds_the_models_inputs_by_name(kind, tmp_path, monkeypatch):
+    """Specs named like the model's inputs, in another order: served `a` is the model's `a`. And
+    verify calls the model by input name, so a binding by position would not pass it."""
+    model = tf_sparse24.prune(two_input_models()[kind])
+    signature = [tf.TensorSpec([None, 8], tf.float32, name=n) for n in ("b", "a")]
+    rng = np.random.default_rng(0)
+    x = {n: rng.standard_normal((3, 8)).astype("float32") for n in ("a", "b")}
+    export(model, tmp_path / "1", input_signature=signature)
+    served = load(tmp_path / "1").signatures["serving_default"](**x)["out"].numpy()
+    np.testing.assert_allclose(served, model(x), rtol=1e-5, atol=1e-6)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"]["out"] < 1e-5
+    # The binding by position this replaced: verify must see it.
+    monkeypatch.setattr(sys.modules["tf_sparse24.export"], "model_input_names", lambda m: None)
+    export(model, tmp_path / "2", input_signature=signature)
+    with pytest.raises(ExportError, match="output 'out' differs"):
+        verify(tmp_path / "2", against=model)
+
+
+def test_nested_outputs_under_a_dict_get_one_key_per_leaf_and_repeated_names_a_suffix(tmp_path):
+    inp = keras.Input((8,), name="x")
+    first = keras.layers.Dense(4, name="first")(inp)
+    second = keras.layers.Dense(8, name="second")(inp)
+    nested = tf_sparse24.prune(keras.Model(inp, {"y": [first, second], "z": first}))
+    outputs = export(nested, tmp_path / "1")["signature"]["outputs"]
+    assert sorted(outputs) == ["y_0", "y_1", "z"]
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype("float32")
+    served = load(tmp_path / "1").signatures["serving_default"](x=x)
+    want = nested(x)
+    for key, value in [("y_0", want["y"][0]), ("y_1", want["y"][1]), ("z", want["z"])]:
+        np.testing.assert_allclose(served[key].numpy(), value, rtol=1e-5, atol=1e-6)
+    assert verify(tmp_path / "1", against=nested)["max_abs_diff"].keys() == {"y_0", "y_1", "z"}
+    twice = tf_sparse24.prune(keras.Model(inp, [first, first]))
+    assert sorted(export(twice, tmp_path / "2")["signature"]["outputs"]) == ["first", "first_1"]

@@ -380,6 +380,10 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"input_signature names must be unique. Received: {names}")
+        own = model_input_names(model)
+        if own is not None and sorted(own) == sorted(names):  # the model's names: bound by name
+            by_name = {s.name: s for s in specs}
+            return [by_name[name] for name in own]
         return specs
     try:
         inputs = keras.tree.flatten(model.input)
@@ -393,6 +397,32 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
          for i, t in enumerate(inputs)]
     )
     return [tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=n) for t, n in zip(inputs, names)]
+
+
+def model_input_names(model: keras.Model) -> list[str] | None:
+    """The names of the model's inputs in the order it takes them (a dict's keys sorted, as
+    `pack_inputs` packs them), or None for a model without symbolic inputs."""
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):
+        return None
+    if isinstance(structure, dict):
+        return sorted(structure)
+    return [t.name for t in keras.tree.flatten(structure)]
+
+
+def flat_outputs(outputs) -> tuple[list, list[str] | None]:
+    """The model's outputs as a flat list, and a key for each when they come in a dict: the
+    dict's keys in sorted order, `<key>_<i>` for the leaves of a list, tuple or dict under one."""
+    if not isinstance(outputs, dict):
+        return keras.tree.flatten(outputs), None
+    flat, keys = [], []
+    for key in sorted(outputs):
+        leaves = keras.tree.flatten(outputs[key])
+        flat += leaves
+        nested = not keras.tree.is_nested(outputs[key])
+        keys += [str(key)] if nested else [f"{key}_{i}" for i in range(len(leaves))]
+    return flat, keys
 
 
 def unique_names(names: list[str]) -> list[str]:
@@ -425,15 +455,14 @@ def signature_output_names(model: keras.Model, outputs) -> list[str]:
     A `Sparse24` wrapper's output is named after the wrapped layer, so pruning, stripping and
     exporting keep the names of the original model.
     """
-    if isinstance(outputs, dict):
-        return unique_names([_identifier(k, f"output_{i}") for i, k in enumerate(sorted(outputs))])
-    flat = keras.tree.flatten(outputs)
+    flat, keys = flat_outputs(outputs)
+    if keys is not None:
+        return unique_names([_identifier(k, f"output_{i}") for i, k in enumerate(keys)])
     names = list(getattr(model, "output_names", None) or [])
     # operations: also the ops a Functional model ends in (keras.ops.softmax: "softmax_1").
     layers = {op.name: op for op in getattr(model, "operations", None) or model.layers}
     names = [_chosen_name(layers.get(n), n) for n in names]
-    chosen = [n for n in names if n]
-    if len(names) != len(flat) or len(set(chosen)) != len(chosen):
+    if len(names) != len(flat):
         names = [f"output_{i}" for i in range(len(flat))]
     return unique_names([_identifier(n, f"output_{i}") for i, n in enumerate(names)])
 
@@ -628,9 +657,7 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
         with keras.StatelessScope(state_mapping=mapping), _calls_replaced(list(calls.values())):
             structured = pack_inputs(model, list(inputs), keys)
             outputs = model(structured, training=False)
-        flat = [outputs[k] for k in sorted(outputs)] if isinstance(outputs, dict) else (
-            keras.tree.flatten(outputs)
-        )
+        flat, _ = flat_outputs(outputs)
         needed = _reachable_ops(flat)
         read.update(i for i, t in stand_ins.items() if t.op.name in needed)
         return dict(zip(output_names, flat))
