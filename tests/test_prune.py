@@ -197,6 +197,42 @@ def test_subclassed_model_prune_returns_masked_copy():
     assert head.pruned_weights[0].mask.numpy().min() == 1.0
 
 
+def test_subclassed_selectors_reach_the_wrapped_layers():
+    model = TwoLayer()
+    model(X[:, 0])
+
+    def densities(pruned):
+        return [float(w.pruned_weights[0].mask.numpy().mean()) for w in ts.pruned_layers(pruned)]
+
+    inner = model.head.layer
+    assert densities(ts.prune(model, layers=keras.layers.Dense)) == [0.5, 0.5]
+    assert densities(ts.prune(model, skip=keras.layers.Dense)) == [1.0, 1.0]
+    assert densities(ts.prune(model, skip=inner)) == [0.5, 1.0]
+    assert densities(ts.prune(model, layers=[inner.name])) == [1.0, 0.5]
+
+
+def test_wrappers_inside_a_subclassed_block_of_a_functional_model_get_masks():
+    """A Functional model holding a subclassed block that wraps its own layers (what prune()'s
+    error for unreachable layers asks for): the block's wrappers get magnitude masks too."""
+    inp = keras.Input((16,))
+    block = TwoLayer(units=16, name="block")
+    model = keras.Model(inp, keras.layers.Dense(4, name="out")(block(inp)))
+    pruned = ts.prune(model)
+    x = X[:, 0].repeat(2, axis=1)
+    h = x.astype(np.float64)
+    for wrapper in (block.hidden, block.head):
+        kernel, bias = (w.astype(np.float64) for w in wrapper.layer.get_weights())
+        h = h @ (kernel * reference_mask(kernel, 2, 4, 0)) + bias
+        h = np.maximum(h, 0) if wrapper is block.hidden else h
+    out = model.get_layer("out")
+    kernel, bias = (w.astype(np.float64) for w in out.get_weights())
+    want = h @ (kernel * reference_mask(kernel, 2, 4, 0)) + bias
+    np.testing.assert_allclose(pruned(x), want, rtol=1e-5, atol=1e-5)
+    assert all(row.valid for row in ts.report(pruned, print_fn=None) if row.status == "pruned")
+    with pytest.raises(TypeError, match=r"strip\(\): the Sparse24 layers \[.*\] .* inside a layer"):
+        ts.strip(pruned)
+
+
 class Plain(keras.Model):
     def __init__(self):
         super().__init__()

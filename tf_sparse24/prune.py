@@ -113,7 +113,9 @@ def _check_selectors(model, selectors, arg: str) -> list:
     if isinstance(selectors, (str, type, keras.layers.Layer)):  # one selector, not a sequence
         selectors = [selectors]
     selectors = list(selectors or [])
-    names = {layer.name for layer in walk_layers(model)}
+    names = {layer.name for layer in walk_layers(model)} | {
+        layer.name for w in pruned_layers(model) for layer in [w.layer, *walk_layers(w.layer)]
+    }
     unknown = [s for s in selectors if isinstance(s, str) and s not in names]
     if unknown:
         raise ValueError(f"{arg}: no layer named {unknown} in model {model.name!r}.")
@@ -269,13 +271,17 @@ def prune(
         raise TypeError(f"prune(): wrapper must be a Sparse24 subclass or a callable returning one. Received: wrapper={wrapper!r}")
     if not (isinstance(model, keras.Sequential) or _is_functional(model)):
         return _prune_subclassed(model, pattern, layers, skip, method)
-    pattern = "2:4" if pattern is None else pattern
     _check_untied(model, "prune")
+    # Wrappers the model already has (a user's, also inside a subclassed block) whose masks are
+    # still ones get theirs too; computed masks are kept.
+    existing = _magnitude_masks(model, pattern, layers, skip, method, unset_only=True)
+    pattern = "2:4" if pattern is None else pattern
     plan = _plan(model, pattern, layers, skip, method)
     reached = set()
 
     def clone(layer):
         new = _copy_layer(layer)
+        _assign_masks(layer, new, existing)
         spec = _planned_weights(layer, new, plan, reached)
         if not spec:
             return new
@@ -326,38 +332,62 @@ def _prune_subclassed(model, pattern: str | None, layers, skip, method: str) -> 
     The wrappers keep their own pattern (their `call` is the model's code, not rebuilt here).
     Masks are matched by position, since a copy made from the config gets fresh layer names.
     """
-    if pattern is not None:
-        parse_pattern(pattern)
-    layers = _check_selectors(model, layers, "layers")
-    skip = _check_selectors(model, skip, "skip")
-    wrappers = pruned_layers(model)
-    if not wrappers:
+    if not pruned_layers(model):
         raise ValueError(
             f"prune(): subclassed model {model.name!r} ({type(model).__name__}) has no Sparse24 "
             "layers. Wrap its prunable layers with tf_sparse24.Sparse24 in __init__ (see "
             "docs/USAGE.md), or build it as a Sequential/Functional model."
         )
-    if pattern is not None and (other := [w.name for w in wrappers if w.pattern != pattern]):
+    masks = _magnitude_masks(model, pattern, layers, skip, method)
+    copy = _copy_model(model)
+    _assign_masks(model, copy, masks)
+    return copy
+
+
+def _magnitude_masks(model, pattern: str | None, layers, skip, method: str, unset_only=False):
+    """`{id(wrapper): masks}`: magnitude masks for the model's own `Sparse24` layers that the
+    selectors pick (by the wrapper, the layer it wraps or a layer inside that), all computed before
+    any is assigned; with `unset_only`, only for wrappers whose masks are all ones."""
+    if pattern is not None:
+        parse_pattern(pattern)
+    layers = _check_selectors(model, layers, "layers")
+    skip = _check_selectors(model, skip, "skip")
+
+    def picked(wrapper, selectors) -> bool:
+        return any(_matches(s, selectors) for s in [wrapper, wrapper.layer, *walk_layers(wrapper.layer)])
+
+    chosen = [
+        w for w in pruned_layers(model)
+        if (not layers or picked(w, layers)) and not picked(w, skip)
+        and not (unset_only and any(not np.all(pw.mask.numpy()) for pw in w.pruned_weights))
+    ]  # fmt: skip
+    if pattern is not None and (other := [w.name for w in chosen if w.pattern != pattern]):
         raise ValueError(
-            f"prune(): pattern={pattern!r}, but the Sparse24 layers {other} of subclassed model "
+            f"prune(): pattern={pattern!r}, but the Sparse24 layers {other} of model "
             f"{model.name!r} were made with another pattern, which they keep. Set the pattern "
             "where the model makes them (Sparse24(layer, pattern)), or omit it here."
         )
-    masks = {
-        i: [
+    return {
+        id(w): [
             compute_mask(pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path)
             for pw in w.pruned_weights
         ]
-        for i, w in enumerate(wrappers)
-        if (not layers or _matches(w, layers)) and not _matches(w, skip)
+        for w in chosen
     }
-    copy = _copy_model(model)
-    for i, copied in enumerate(pruned_layers(copy)):
-        for pw, mask in zip(copied.pruned_weights, masks.get(i, [])):
-            pw.mask.assign(mask)
-        if i in masks:
-            copied.masks_source = "prune()"
-    return copy
+
+
+def _assign_masks(source, copy, masks: dict[int, list]) -> None:
+    """Sets `masks` (keyed by the id of a wrapper in `source`) on the wrappers at the same
+    positions in its copy (a copy made from config has fresh layer names)."""
+    if not masks or not isinstance(source, keras.layers.Layer):
+        return
+    own = [source] if isinstance(source, Sparse24) else []
+    copies = [copy] if isinstance(copy, Sparse24) else []
+    for old, new in zip(own + pruned_layers(source), copies + pruned_layers(copy)):
+        if id(old) in masks:
+            for pw, mask in zip(new.pruned_weights, masks[id(old)]):
+                pw.mask.assign(mask)
+            new.masks_source = "prune()"
 
 
 def _is_functional(model) -> bool:
@@ -396,7 +426,8 @@ def strip(model: keras.Model) -> keras.Model:
     Warns (UserWarning) when an effective weight is not N:M (masks still ones).
 
     Raises:
-        TypeError: for a subclassed model (its `call` names the wrappers; export it instead).
+        TypeError: for a subclassed model, or wrappers inside a layer of the graph (their owner's
+            `call` names them; export it instead).
         ValueError: a weight shared by two layers (as in `prune`).
     """
     _check_model(model, "strip")
@@ -406,6 +437,14 @@ def strip(model: keras.Model) -> keras.Model:
             f"{model.name!r} ({type(model).__name__}); export it with tf_sparse24.export instead."
         )
     _check_untied(model, "strip")
+    nodes = {id(layer) for layer in _copied_layers(model)}
+    if nested := [w.name for w in pruned_layers(model) if id(w) not in nodes]:
+        raise TypeError(
+            f"strip(): the Sparse24 layers {nested} of model {model.name!r} sit inside a layer "
+            "strip() copies whole (a subclassed model or custom layer, whose code calls them): "
+            "it cannot take them out. Export the model instead (tf_sparse24.export), or build "
+            "that block as a Functional model."
+        )
     if dense := [
         f"{layer.name}/{pw.name}"
         for layer in pruned_layers(model)
