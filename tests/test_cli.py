@@ -113,3 +113,34 @@ def test_a_model_that_cannot_be_loaded_is_an_error_line_not_a_traceback(tmp_path
     err = capsys.readouterr().err
     assert "tf_sparse24 export: error: TypeError: " in err and "test_cli_gone>Gone" in err
     assert not (tmp_path / "out").exists()
+
+
+@keras.saving.register_keras_serializable(package="test_cli")
+class Net(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = tf_sparse24.Sparse24(keras.layers.Dense(16, activation="relu"))
+        self.head = tf_sparse24.Sparse24(keras.layers.Dense(4))
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+def test_export_of_a_subclassed_model_takes_its_inputs_from_the_command_line(tmp_path, capsys):
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    net = Net()
+    net(x)
+    model = tf_sparse24.prune(net)
+    path = str(tmp_path / "net.keras")
+    model.save(path)
+    assert main(["export", path, str(tmp_path / "a" / "1")]) == 1
+    assert "--input NAME:DTYPE:SHAPE" in capsys.readouterr().err
+    assert main(["export", path, str(tmp_path / "b" / "1"), "--input", "x:float32:None,8"]) == 0
+    served = tf_sparse24.load(tmp_path / "b" / "1").signatures["serving_default"]
+    np.testing.assert_allclose(
+        served(x=tf.constant(x))["output_0"].numpy(), model(x), rtol=1e-5, atol=1e-6
+    )
+    with pytest.raises(SystemExit) as bad:
+        main(["export", path, str(tmp_path / "c" / "1"), "--input", "x:float32"])
+    assert bad.value.code == 2
+    assert "expected NAME:DTYPE:SHAPE" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Command line: export a `.keras` model, inspect or verify an export.
 
     python -m tf_sparse24 export MODEL.keras models/name/1 [--mode portable|accelerated]
-                                 [--overwrite]
+                                 [--overwrite] [--input NAME:DTYPE:SHAPE ...]
     python -m tf_sparse24 inspect models/name/1 [--json]
     python -m tf_sparse24 verify models/name/1 [--against MODEL.keras]
 
@@ -25,6 +25,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("export_dir", help="the version directory to write, e.g. models/name/1")
     p.add_argument("--mode", choices=("portable", "accelerated"), default="portable")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export_dir")
+    p.add_argument(
+        "--input", action="append", type=_input_spec, metavar="NAME:DTYPE:SHAPE",
+        help="a served input, e.g. pixels:float32:None,28,28,1 (repeat for several; needed for "
+        "subclassed models, which have no symbolic inputs)",
+    )
     p = sub.add_parser("inspect", help="print an export's metadata, per-weight table and sizes")
     p.add_argument("export_dir")
     p.add_argument("--json", action="store_true", help="print the raw metadata JSON instead")
@@ -32,6 +37,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("export_dir")
     p.add_argument("--against", help="a .keras model whose outputs the export must match")
     return parser
+
+
+def _input_spec(text: str):
+    """`NAME:DTYPE:SHAPE` (`x:float32:None,16`) -> a named `tf.TensorSpec`."""
+    name, dtype, shape = (text.split(":") + ["", ""])[:3]
+    try:
+        dims = [None if d.strip() in ("None", "-1", "") else int(d) for d in shape.split(",")]
+    except ValueError:
+        dims = None
+    if not name or not dtype or not shape or dims is None:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME:DTYPE:SHAPE such as x:float32:None,16. Received: {text!r}"
+        )
+    import tensorflow as tf  # noqa: PLC0415  (heavy; only when the option is used)
+
+    try:
+        return tf.TensorSpec(dims, tf.as_dtype(dtype), name=name)
+    except TypeError as e:
+        raise argparse.ArgumentTypeError(f"unknown dtype {dtype!r} in {text!r}") from e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             if os.path.exists(args.export_dir) and not args.overwrite:  # before loading the model
                 raise FileExistsError(f"{args.export_dir} exists; pass --overwrite to replace it")
             model = keras.saving.load_model(args.model, compile=False)
-            metadata = export(model, args.export_dir, args.mode, args.overwrite)
+            metadata = export(model, args.export_dir, args.mode, args.overwrite, args.input)
             print(f"exported {len(metadata['sparse'])} compressed weights to {args.export_dir}")
             print(describe(args.export_dir))
         elif args.command == "inspect":
@@ -63,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report, indent=1))
             print(f"OK: {args.export_dir}")
     except (ValueError, OSError) as e:  # ExportError is a ValueError; FileExistsError an OSError
-        print(f"tf_sparse24 {args.command}: error: {e}", file=sys.stderr)
+        hint = " (here: --input NAME:DTYPE:SHAPE)" if "input_signature" in str(e) else ""
+        print(f"tf_sparse24 {args.command}: error: {e}{hint}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001  (load_model's TypeError for a class not importable, ...)
         print(f"tf_sparse24 {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
