@@ -268,3 +268,44 @@ def test_srste_masks_are_computed_from_float32_weights_under_mixed_precision():
     np.testing.assert_array_equal(
         np.asarray(model(picks)), np.asarray(tf_sparse24.strip(model)(picks))
     )
+
+
+class TiedHead(keras.layers.Layer):
+    """A float32 layer reading another layer's kernel (a tied projection)."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(dtype="float32", **kwargs)
+        self.source = source
+
+    def call(self, x):
+        return keras.ops.matmul(x, self.source.kernel)
+
+
+class TiedNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.enc = tf_sparse24.Sparse24(keras.layers.Dense(16, use_bias=False))
+        self.head = TiedHead(self.enc.layer)
+
+    def call(self, x):
+        encoded = keras.ops.cast(self.enc(x), "float32")  # builds the kernel the head reads
+        return self.head(x) + encoded
+
+
+@pytest.mark.parametrize("mode", ["portable", "accelerated"])
+def test_a_weight_a_float32_layer_also_reads_is_exported_in_float32(mode, tmp_path):
+    with global_policy("mixed_bfloat16"):
+        net = TiedNet()
+        x = np.random.default_rng(0).standard_normal((4, 16)).astype("float32")
+        net(x)
+        net.enc.update_masks()
+        (pw,) = net.enc.pruned_weights  # the head reads the raw kernel: make it the masked one
+        pw.variable.assign(pw.variable.numpy() * pw.mask.numpy())
+    metadata = tf_sparse24.export(
+        net, tmp_path / "1", mode,
+        input_signature=[tf.TensorSpec([None, 16], tf.float32, name="x")],
+    )  # fmt: skip
+    (entry,) = metadata["sparse"]
+    assert (entry["dtype"], entry["kernel"]) == ("float32", "dense_at_load")
+    served = tf_sparse24.load(tmp_path / "1").signatures["serving_default"](x=tf.constant(x))
+    np.testing.assert_array_equal(served["output_0"].numpy(), np.asarray(net(x)))

@@ -335,7 +335,9 @@ def _as_computed(layer: keras.layers.Layer, variable: keras.Variable, value) -> 
     """`value` in the dtype the layer multiplies `variable` in: a float32 weight of a layer (or
     sublayer) that computes in float16 / bfloat16 under mixed precision is cast to that dtype, as
     Keras autocasts it at every call. So it is stored at half the bytes, `Sparse24MatMul` reads it
-    without a per-call cast, and the served results are the same as with the float32 weight."""
+    without a per-call cast, and the served results are the same as with the float32 weight. (A
+    weight that something also uses at full precision is found when the serving function is
+    traced, and stored in float32 again: `_used_uncast`.)"""
     owner = next(
         (sub for sub in layer._flatten_layers(include_self=True)
          if any(v is variable for v in sub._trainable_variables + sub._non_trainable_variables)),
@@ -630,8 +632,9 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
     """`serving_default` over the module's variables: `calls[i]` runs sparse weight i with
     `Sparse24MatMul`, every other sparse weight is read from a `_DenseKernel` rebuilt at load.
 
-    Returns `(tf.function, {i: _DenseKernel}, read)`; once traced, `read` holds the `calls` whose
-    dense kernel the outputs still depend on (read by something other than the replaced `call`).
+    Returns `(tf.function, {i: _DenseKernel}, read, wide)`; once traced, `read` holds the `calls`
+    whose dense kernel the outputs still depend on (read by something other than the replaced
+    `call`), `wide` the weights stored in 16 bits that something uses at full precision.
     """
     caches = {
         i: _DenseKernel(module.sparse_values[i], module.sparse_meta[i], s.k,
@@ -639,10 +642,10 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
         for i, s in enumerate(sparse)
         if i not in calls
     }  # fmt: skip
-    read = set()
+    read, wide = set(), set()
 
     def serve(*inputs):
-        mapping, stand_ins = [], {}
+        mapping, stand_ins, reads, ones = [], {}, {}, {}
         for i, s in enumerate(sparse):
             if i in calls:
                 # Never read by a replaced call; mapped so that the Keras variable is not captured
@@ -650,9 +653,11 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
                 stand_ins[i] = tf.zeros(s.variable.shape, s.variable.dtype)
                 mapping.append((s.variable, stand_ins[i]))
             else:
-                mapping.append((s.variable, caches[i].read()))
+                reads[i] = caches[i].read()
+                mapping.append((s.variable, reads[i]))
             if s.mask is not None:
-                mapping.append((s.mask, tf.ones(s.mask.shape, s.mask.dtype)))
+                ones[i] = tf.ones(s.mask.shape, s.mask.dtype)
+                mapping.append((s.mask, ones[i]))
         mapping += list(zip(dense_vars, (tf.identity(v) for v in module.dense)))
         with keras.StatelessScope(state_mapping=mapping), _calls_replaced(list(calls.values())):
             structured = pack_inputs(model, list(inputs), keys)
@@ -660,9 +665,36 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
         flat, _ = flat_outputs(outputs)
         needed = _reachable_ops(flat)
         read.update(i for i, t in stand_ins.items() if t.op.name in needed)
+        wide.update(
+            i for i, t in reads.items()
+            if sparse[i].values.dtype != t.dtype
+            and _used_uncast(t, sparse[i].values.dtype, needed, ones.get(i))
+        )  # fmt: skip
         return dict(zip(output_names, flat))
 
-    return tf.function(serve, input_signature=specs, autograph=False), caches, read
+    return tf.function(serve, input_signature=specs, autograph=False), caches, read, wide
+
+
+def _used_uncast(tensor: tf.Tensor, dtype, needed: set[str], mask: tf.Tensor | None) -> bool:
+    """Whether an op the outputs need uses a weight's `tensor` other than cast to `dtype` (how a
+    16-bit layer uses it), looking through identities and the product with its mask of ones: then
+    its values must not be stored in `dtype`."""
+
+    def source(t):
+        while t.op.type in ("Cast", "Identity"):
+            t = t.op.inputs[0]
+        return t.op.name
+
+    for op in tensor.consumers():
+        if op.name not in needed or (op.type == "Cast" and op.get_attr("DstT") == dtype):
+            continue
+        by_mask = (op.type == "Mul" and mask is not None
+                   and any(source(x) == mask.op.name for x in op.inputs))
+        if not (op.type == "Identity" or by_mask):
+            return True
+        if any(_used_uncast(out, dtype, needed, mask) for out in op.outputs):
+            return True
+    return False
 
 
 def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
@@ -690,15 +722,23 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
                 calls[i] = call
     decompress = ops.sparse24_decompress if mode == "accelerated" else portable.decompress
     while True:
-        serving, caches, read = _serving_function(
+        serving, caches, read, wide = _serving_function(
             model, specs, keys, output_names, module, sparse, dense_vars, calls, decompress
         )
-        serving.get_concrete_function()  # traces: fills `read`
-        if not read:
+        serving.get_concrete_function()  # traces: fills `read` and `wide`
+        if not read and not wide:
             break
         # Something besides the layer's call reads the dense kernel (a tied weight): such a
         # kernel is decompressed at load instead. Trace again without it.
         calls = {i: call for i, call in calls.items() if i not in read}
+        values, meta = list(module.sparse_values), list(module.sparse_meta)
+        for i in wide:  # ... and one a float32 layer reads is stored with its float32 values
+            s = sparse[i]
+            value = s.variable.numpy() * (1 if s.mask is None else s.mask.numpy())
+            s.values, s.meta = _compress(s.name, value, s.axis)
+            values[i] = tf.Variable(s.values, trainable=False)
+            meta[i] = tf.Variable(s.meta, trainable=False)
+        module.sparse_values, module.sparse_meta = values, meta  # tracked lists are append-only
     module.dense_kernels = list(caches.values())
     module.serve = serving
     kernel = {
