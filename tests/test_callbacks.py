@@ -384,3 +384,14 @@ def test_weights_restored_from_the_dense_warm_up_are_reported_at_the_end_of_fit(
         model.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=callbacks)
     with pytest.warns(UserWarning, match=r"strip\(\): the effective weights .* are not N:M"):
         ts.strip(model)
+
+
+def test_masks_due_at_the_step_after_the_last_are_left_to_the_next_fit():
+    """start_step = the number of steps run: due before a step that never runs in this fit."""
+    model = pruned_mlp()
+    compile_(model, keras.optimizers.SGD(0.05))
+    before = masks(model)
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[ts.Sparse24Callback(start_step=8)])  # 8 steps: 0..7
+    assert all(m.min() == 1.0 for m in masks(model))  # still the dense warm-up
+    assert not all(np.array_equal(a, b) for a, b in zip(masks(model), before))

@@ -25,7 +25,7 @@ class Sparse24Callback(keras.callbacks.Callback):
     It is read before each batch callback; with `steps_per_execution > 1` (one callback per
     execution) a computation due inside an execution runs at the next execution boundary, at
     most `steps_per_execution - 1` steps late (masks stay ones until then), or at the end of
-    `fit` if that comes first.
+    `fit` if that comes first (then no step has trained with them).
 
     Order in `callbacks=[...]`: after EarlyStopping / ModelCheckpoint, before CSVLogger and
     TensorBoard. Callbacks listed after this one see its logs; at the end of `fit` it warns if a
@@ -169,8 +169,10 @@ class Sparse24Callback(keras.callbacks.Callback):
         if self._offset is None:  # no epoch ran
             return
         step = self._iterations() + self._offset
-        if self._next is not None and self._next <= step and self.model.built:
-            self._compute_masks(step)  # due inside the last execution (steps_per_execution > 1)
+        # Due inside the last execution (steps_per_execution > 1): a step that ran without them.
+        # One due at `step` belongs to the next fit(), whose first step it precedes.
+        if self._next is not None and self._next < step and self.model.built:
+            self._compute_masks(step)
         warm = self.start_step is not None and self._next == self.start_step
         if self.check and not warm and (broken := self._not_nm()):
             warnings.warn(
