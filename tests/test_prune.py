@@ -730,3 +730,34 @@ def test_weights_saved_for_another_pattern_are_refused(saved, loaded, tmp_path):
     with pytest.raises(ValueError, match=rf"mask of 'kernel' being loaded keeps .* is {loaded}"):
         target.load_weights(path)
     assert np.array_equal(mask.numpy(), before)  # the masks are kept
+
+
+@keras.saving.register_keras_serializable(package="test_prune")
+class SameNameBlock(keras.layers.Layer):
+    """A block whose sublayer has the block's own name."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(8, name=self.name)
+
+    def build(self, input_shape):
+        self.inner.build(input_shape)
+
+    def call(self, x):
+        return self.inner(x)
+
+
+def test_a_wrapper_config_saved_before_weight_positions_still_loads():
+    """Earlier versions saved paths cut after the layer's name in the variable path ('kernel'
+    here, where the sublayer tree says 'blk/kernel') and no positions."""
+    inp = keras.Input((8,))
+    model = keras.Model(inp, SameNameBlock(name="blk")(inp))
+    pruned = ts.prune(model)
+    config = pruned.get_config()
+    (wrapper,) = [c for c in config["layers"] if c["class_name"] == "Sparse24"]
+    assert wrapper["config"]["weights"] == {"blk/kernel": 0}
+    wrapper["config"]["weights"] = {"kernel": 0}  # as saved before
+    del wrapper["config"]["weight_positions"]
+    old = keras.Model.from_config(config)
+    old.set_weights(pruned.get_weights())
+    np.testing.assert_array_equal(np.asarray(old(X[:, 0])), np.asarray(pruned(X[:, 0])))

@@ -79,6 +79,18 @@ def relative_variables(layer: keras.layers.Layer) -> dict[str, keras.Variable]:
     return {tree.get(id(var), var.path): var for var in layer.variables}
 
 
+def scope_relative_variables(layer: keras.layers.Layer) -> dict[str, keras.Variable]:
+    """Variables by their path after the layer's name in `variable.path` (the last time it occurs):
+    the paths of wrapper configs saved before `relative_variables` (they differ from it where a
+    sublayer has the layer's own name)."""
+    out = {}
+    for var in layer.variables:
+        parts = var.path.split("/")
+        owners = [i for i, part in enumerate(parts[:-1]) if part == layer.name]
+        out["/".join(parts[owners[-1] + 1 :]) if owners else var.path] = var
+    return out
+
+
 def lora_layers(layer: keras.layers.Layer, variables) -> list[str]:
     """Names of the layers under `layer` (itself included) with LoRA enabled on one of
     `variables`: the kernel such a layer uses is `kernel + lora_a @ lora_b`, dense whatever the

@@ -22,7 +22,13 @@ import tensorflow as tf
 from keras.src.backend import AutocastScope  # Keras' own way to read a variable un-autocast
 
 from tf_sparse24.masks import compute_mask, parse_pattern
-from tf_sparse24.registry import lora_layers, quantized_layers, relative_variables, scan_layer
+from tf_sparse24.registry import (
+    lora_layers,
+    quantized_layers,
+    relative_variables,
+    scan_layer,
+    scope_relative_variables,
+)
 
 
 @dataclasses.dataclass
@@ -202,6 +208,13 @@ class Sparse24(keras.layers.Wrapper):
             self._spec = {path: axis for path, _, axis in eligible}
         if self._positions is not None:
             self._spec = self._paths_at_positions(variables)
+        elif any(path not in variables for path in self._spec):  # a config saved before them
+            old = scope_relative_variables(self.layer)
+            path_of = {id(v): p for p, v in variables.items()}
+            self._spec = {
+                path_of[id(old[p])] if p not in variables and p in old else p: axis
+                for p, axis in self._spec.items()
+            }
         for path, axis in self._spec.items():
             if path not in variables:
                 raise ValueError(
