@@ -412,3 +412,12 @@ def test_permute_nan_kernel_error_names_the_layer():
     kernel.assign(np.where(np.arange(kernel.shape[0])[:, None] == 3, np.nan, kernel.numpy()))
     with pytest.raises(ValueError, match="layer 'd2'.*NaN/Inf"):
         permute(model, kicks=1, progress=False)
+
+
+def test_permute_layers_inside_a_nested_model_are_an_error_not_a_silent_no_op():
+    inner_in = keras.Input((16,))
+    inner = keras.Model(inner_in, keras.layers.Dense(16, name="inner_b")(inner_in), name="inner")
+    inp = keras.Input((16,))
+    model = keras.Model(inp, keras.layers.Dense(4, name="out")(inner(inp)))
+    with pytest.raises(ValueError, match=r"\['inner_b'\] sit inside a nested model"):
+        permute(model, layers="inner_b", kicks=1, progress=False)

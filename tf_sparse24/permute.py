@@ -639,6 +639,11 @@ def permute(
     _check_model(model, "permute")
     graph = _graph(model)
     selectors = _check_selectors(model, layers, "layers")
+    if inner := [s for s in selectors if isinstance(s, str) and s not in graph.ops]:
+        raise ValueError(
+            f"layers: {inner} sit inside a nested model or layer of model {model.name!r}; "
+            "permute() reorders the channels of its top-level graph only."
+        )
     _check_untied(model, "permute")
     plans, reports = _plan(graph, selectors)
     copy = keras.models.clone_model(model, clone_function=_copy_layer, recursive=True)
