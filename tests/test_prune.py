@@ -761,3 +761,30 @@ def test_a_wrapper_config_saved_before_weight_positions_still_loads():
     old = keras.Model.from_config(config)
     old.set_weights(pruned.get_weights())
     np.testing.assert_array_equal(np.asarray(old(X[:, 0])), np.asarray(pruned(X[:, 0])))
+
+
+@keras.saving.register_keras_serializable(package="test_prune")
+class MinimalCell(keras.layers.Layer):
+    """A user RNN cell the registry does not know."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.state_size = units, units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
+
+    def call(self, x, states):
+        h = keras.ops.matmul(x, self.kernel) + states[0]
+        return h, [h]
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def test_an_rnn_with_an_unknown_cell_gets_a_report_row_with_the_reason():
+    inp = keras.Input((6, 8))
+    model = keras.Model(inp, keras.layers.RNN(MinimalCell(name="mine"), name="rnn")(inp))
+    rows = {r.layer: r for r in ts.report(ts.prune(model), print_fn=None)}
+    assert rows["rnn"].status == "skipped"
+    assert "cell 'mine' (MinimalCell) is not a prunable kind" in rows["rnn"].reason

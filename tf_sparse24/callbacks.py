@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from tf_sparse24.masks import is_nm_sparse
-from tf_sparse24.prune import pruned_layers
+from tf_sparse24.prune import not_nm_weights, pruned_layers
 
 
 class Sparse24Callback(keras.callbacks.Callback):
@@ -173,8 +173,7 @@ class Sparse24Callback(keras.callbacks.Callback):
         # One due at `step` belongs to the next fit(), whose first step it precedes.
         if self._next is not None and self._next < step and self.model.built:
             self._compute_masks(step)
-        warm = self.start_step is not None and self._next == self.start_step
-        if self.check and not warm and (broken := self._not_nm()):
+        if self.check and not self._in_warm_up and (broken := not_nm_weights(self._layers)):
             warnings.warn(
                 f"Sparse24Callback: at the end of fit() the effective weights {broken} are not "
                 "N:M. A callback listed before this one restored weights from before the masks "
@@ -184,18 +183,14 @@ class Sparse24Callback(keras.callbacks.Callback):
                 stacklevel=2,
             )
 
-    def _not_nm(self) -> list[str]:
-        return [
-            f"{layer.name}/{pw.name}"
-            for layer in self._layers
-            for pw in layer.pruned_weights
-            if not is_nm_sparse(layer.effective_weight(pw), pw.pattern, pw.axis)
-        ]
+    @property
+    def _in_warm_up(self) -> bool:
+        """Masks not computed yet: the dense warm-up before `start_step`."""
+        return self.start_step is not None and self._next == self.start_step
 
     def on_epoch_end(self, epoch, logs=None):
         total = zeros = 0
         valid = True
-        warm = self.start_step is not None and self._next == self.start_step  # not computed yet
         for layer in self._layers:
             for pw in layer.pruned_weights:
                 w = layer.effective_weight(pw)
@@ -203,7 +198,7 @@ class Sparse24Callback(keras.callbacks.Callback):
                 zeros += int(np.size(w) - np.count_nonzero(w))
                 ok = is_nm_sparse(w, pw.pattern, pw.axis)
                 valid &= ok
-                if self.check and not ok and not warm:
+                if self.check and not ok and not self._in_warm_up:
                     # NaN * 0 is NaN: a diverged optimizer, not a broken mask, breaks the pattern.
                     diverged = not np.all(np.isfinite(w))
                     raise RuntimeError(

@@ -54,7 +54,7 @@ from tf_sparse24 import metadata as md
 from tf_sparse24 import portable
 from tf_sparse24.metadata import ExportError
 from tf_sparse24.prune import walk_layers
-from tf_sparse24.registry import eligible_weights
+from tf_sparse24.registry import eligible_weights, own_variables
 from tf_sparse24.wrapper import Sparse24
 
 SIGNATURE = "serving_default"
@@ -340,7 +340,7 @@ def _as_computed(layer: keras.layers.Layer, variable: keras.Variable, value) -> 
     traced, and stored in float32 again: `_used_uncast`.)"""
     owner = next(
         (sub for sub in layer._flatten_layers(include_self=True)
-         if any(v is variable for v in sub._trainable_variables + sub._non_trainable_variables)),
+         if any(v is variable for v in own_variables(sub))),
         layer,
     )
     dtype = owner.compute_dtype
@@ -422,8 +422,8 @@ def flat_outputs(outputs) -> tuple[list, list[str] | None]:
     for key in sorted(outputs):
         leaves = keras.tree.flatten(outputs[key])
         flat += leaves
-        nested = not keras.tree.is_nested(outputs[key])
-        keys += [str(key)] if nested else [f"{key}_{i}" for i in range(len(leaves))]
+        leaf = not keras.tree.is_nested(outputs[key])
+        keys += [str(key)] if leaf else [f"{key}_{i}" for i in range(len(leaves))]
     return flat, keys
 
 

@@ -188,6 +188,21 @@ def is_nm_sparse(
     return bool(tf.reduce_all(nonzeros <= n))
 
 
+def pattern_mismatch(mask: np.ndarray, axis: int, n: int, m: int) -> str | None:
+    """How a mask being loaded contradicts pattern N:M, or None: more than N kept in a group, or
+    every group keeping the same other count (a mask made for another pattern). All ones (masks
+    not computed yet) fit any pattern; uneven counts up to N (a custom method) are left alone."""
+    groups = np.moveaxis(mask, axis, -1).reshape(-1, m)
+    kept = np.count_nonzero(groups, axis=1)
+    if kept.size == 0 or np.all(kept == m):
+        return None
+    if kept.max() > n:
+        return f"keeps up to {kept.max()} of every {m}"
+    if kept.min() == kept.max() != n:
+        return f"keeps {kept[0]} of every {m} (a {kept[0]}:{m} mask)"
+    return None
+
+
 # Methods defined in their own modules (they only need TF, so importing them last is safe).
 from tf_sparse24.transposable import TRANSPOSABLE_CHECKS, TRANSPOSABLE_METHODS  # noqa: E402
 

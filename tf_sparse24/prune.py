@@ -22,7 +22,7 @@ import keras
 import numpy as np
 
 from tf_sparse24.masks import compute_mask, is_nm_sparse, parse_pattern
-from tf_sparse24.registry import eligible_weights, relative_variables, scan_layer
+from tf_sparse24.registry import eligible_weights, own_variables, relative_variables, scan_layer
 from tf_sparse24.wrapper import Sparse24
 
 __all__ = [
@@ -61,6 +61,16 @@ def walk_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
 def pruned_layers(model: keras.layers.Layer) -> list[Sparse24]:
     """All `Sparse24` wrappers in `model`, nested models and custom layers included."""
     return [layer for layer in walk_layers(model) if isinstance(layer, Sparse24)]
+
+
+def not_nm_weights(wrappers: list[Sparse24]) -> list[str]:
+    """`layer/weight` of every pruned weight whose effective value is not N:M (masks still ones)."""
+    return [
+        f"{layer.name}/{pw.name}"
+        for layer in wrappers
+        for pw in layer.pruned_weights
+        if not is_nm_sparse(layer.effective_weight(pw), pw.pattern, pw.axis)
+    ]
 
 
 def _check_model(model, what: str) -> None:
@@ -123,11 +133,10 @@ def _check_selectors(model, selectors, arg: str) -> list:
 
 
 def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
-    """`{id(layer): {id(variable): (axis, mask)}}` for every layer to prune; validates everything
-    first. A weight is planned once, by the outermost layer that names it."""
+    """`{id(layer): {id(variable): (axis, mask)}}` for every layer to prune (`layers`, `skip`:
+    checked selectors); validates everything first. A weight is planned once, by the outermost
+    layer that names it."""
     m = parse_pattern(pattern)[1]
-    layers = _check_selectors(model, layers, "layers")
-    skip = _check_selectors(model, skip, "skip")
     everything = walk_layers(model)
 
     def covered(selectors) -> set[int]:  # a selected container covers the layers inside it
@@ -191,14 +200,15 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
             for mine, theirs in zip(keras.tree.flatten(b.states), keras.tree.flatten(a.states)):
                 mine.assign(theirs)
         _copy_own_variables(a, b)
+        if isinstance(a, Sparse24):  # the copy's masks come from where the original's came from
+            b.masks_source = a.masks_source
 
 
 def _copy_own_variables(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
-    """Assigns each of `source`'s own variables to `target`'s variable of the same name; by
-    position if names do not tell them apart (a float8 Dense made from its config creates its
-    scale variables first)."""
-    theirs = source._trainable_variables + source._non_trainable_variables
-    mine = target._trainable_variables + target._non_trainable_variables
+    """Assigns each of `source`'s own variables to `target`'s variable of the same name (a float8
+    Dense made from its config creates its scale variables first), by position where names do not
+    tell them apart."""
+    theirs, mine = own_variables(source), own_variables(target)
     by_name = {v.name: v for v in mine}
     if len(by_name) == len(mine) == len({v.name for v in theirs}) == len(theirs) and all(
         v.name in by_name for v in theirs
@@ -269,6 +279,10 @@ def prune(
     _check_model(model, "prune")
     if not callable(wrapper) or (isinstance(wrapper, type) and not issubclass(wrapper, Sparse24)):
         raise TypeError(f"prune(): wrapper must be a Sparse24 subclass or a callable returning one. Received: wrapper={wrapper!r}")
+    if pattern is not None:
+        parse_pattern(pattern)
+    layers = _check_selectors(model, layers, "layers")
+    skip = _check_selectors(model, skip, "skip")
     if not (isinstance(model, keras.Sequential) or _is_functional(model)):
         return _prune_subclassed(model, pattern, layers, skip, method)
     _check_untied(model, "prune")
@@ -348,10 +362,6 @@ def _magnitude_masks(model, pattern: str | None, layers, skip, method: str, unse
     """`{id(wrapper): masks}`: magnitude masks for the model's own `Sparse24` layers that the
     selectors pick (by the wrapper, the layer it wraps or a layer inside that), all computed before
     any is assigned; with `unset_only`, only for wrappers whose masks are all ones."""
-    if pattern is not None:
-        parse_pattern(pattern)
-    layers = _check_selectors(model, layers, "layers")
-    skip = _check_selectors(model, skip, "skip")
 
     def picked(wrapper, selectors) -> bool:
         return any(_matches(s, selectors) for s in [wrapper, wrapper.layer, *walk_layers(wrapper.layer)])
@@ -445,12 +455,7 @@ def strip(model: keras.Model) -> keras.Model:
             "it cannot take them out. Export the model instead (tf_sparse24.export), or build "
             "that block as a Functional model."
         )
-    if dense := [
-        f"{layer.name}/{pw.name}"
-        for layer in pruned_layers(model)
-        for pw in layer.pruned_weights
-        if not is_nm_sparse(layer.effective_weight(pw), pw.pattern, pw.axis)
-    ]:
+    if dense := not_nm_weights(pruned_layers(model)):
         warnings.warn(
             f"strip(): the effective weights {dense} of model {model.name!r} are not N:M (masks "
             "never computed, or reset for a dense warm-up and restored so, e.g. by "

@@ -13,7 +13,6 @@ import re
 from typing import Protocol, runtime_checkable
 
 import keras
-from keras.src.layers.rnn.conv_lstm import ConvLSTMCell  # not exported by keras.layers
 
 from tf_sparse24.masks import parse_pattern
 
@@ -32,12 +31,14 @@ PRUNABLE_WEIGHTS: dict[type, dict[str, int]] = {
         "value/kernel": 0,
         "attention_output/kernel": 1,
     },
-    # RNN cells (an RNN layer's own row is made of its cells' rows): kernel `[in, g*u]`,
-    # recurrent_kernel `[u, g*u]`; ConvLSTM's `[..., in, g*filters]` and `[..., filters, ...]`.
+    # RNN cells (an RNN layer is pruned through its cells): kernel `[in, g*u]`, recurrent_kernel
+    # `[u, g*u]`. ConvLSTM layers (their cell class is not public): `[..., in, 4*f]`, `[..., f, 4*f]`.
     L.SimpleRNNCell: {"kernel": 0, "recurrent_kernel": 0},
     L.GRUCell: {"kernel": 0, "recurrent_kernel": 0},
     L.LSTMCell: {"kernel": 0, "recurrent_kernel": 0},
-    ConvLSTMCell: {"kernel": -2, "recurrent_kernel": -2},
+    L.ConvLSTM1D: {"kernel": -2, "recurrent_kernel": -2},
+    L.ConvLSTM2D: {"kernel": -2, "recurrent_kernel": -2},
+    L.ConvLSTM3D: {"kernel": -2, "recurrent_kernel": -2},
 }
 
 # Layers skipped on purpose, with the reason shown by `report()`.
@@ -70,13 +71,18 @@ def relative_variables(layer: keras.layers.Layer) -> dict[str, keras.Variable]:
     tree = {}
 
     def visit(sub, prefix):
-        for var in sub._trainable_variables + sub._non_trainable_variables:
+        for var in own_variables(sub):
             tree.setdefault(id(var), prefix + var.name)
         for child in sub._flatten_layers(include_self=False, recursive=False):
             visit(child, f"{prefix}{child.name}/")
 
     visit(layer, "")
     return {tree.get(id(var), var.path): var for var in layer.variables}
+
+
+def own_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
+    """The variables `layer` itself created (not its sublayers'), in creation order."""
+    return layer._trainable_variables + layer._non_trainable_variables
 
 
 def scope_relative_variables(layer: keras.layers.Layer) -> dict[str, keras.Variable]:
@@ -156,10 +162,8 @@ def scan_layer(
     """
     if quantized := quantized_layers(layer):
         return [], [f"quantized {quantized}: prune the float model, then quantize strip(pruned)"]
-    candidates = _candidates(layer)
-    if isinstance(candidates, str):
-        return [], [candidates]
-    eligible, reasons = [], []
+    candidates, reasons = _candidates(layer)
+    eligible = []
     for path, var, axis in candidates:
         if lora := lora_layers(layer, [var]):
             reasons.append(
@@ -180,9 +184,11 @@ def scan_layer(
     return eligible, reasons
 
 
-def _candidates(layer: keras.layers.Layer) -> list[tuple[str, keras.Variable, int]] | str:
+def _candidates(
+    layer: keras.layers.Layer,
+) -> tuple[list[tuple[str, keras.Variable, int]], list[str]]:
     """The `(relative path, variable, axis)` triples the registry names for `layer`, before the
-    shape checks; a string is the reason the layer's kind is skipped."""
+    shape checks, and the reasons a kind of layer (or an RNN's cell) is skipped."""
     variables = relative_variables(layer)
     if isinstance(layer, PrunableLayer):
         named = {id(v): p for p, v in variables.items()}
@@ -195,12 +201,12 @@ def _candidates(layer: keras.layers.Layer) -> list[tuple[str, keras.Variable, in
                     "one of its own variables."
                 )
             candidates.append((named[id(var)], var, axis))
-        return candidates
+        return candidates, []
     if isinstance(layer, L.EinsumDense):
         axis = einsum_axis(layer.equation, layer.kernel.ndim)
         if isinstance(axis, str):
-            return axis
-        return [(p, v, axis) for p, v in variables.items() if v is layer.kernel]
+            return [], [axis]
+        return [(p, v, axis) for p, v in variables.items() if v is layer.kernel], []
     table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if type(layer) is cls), None)
     if table is None:
         table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if isinstance(layer, cls)), None)
@@ -210,10 +216,16 @@ def _candidates(layer: keras.layers.Layer) -> list[tuple[str, keras.Variable, in
             for suffix, axis in table.items()
             for p, v in variables.items()
             if p == suffix or p.endswith("/" + suffix)
-        ]
+        ], []
     if isinstance(layer, L.RNN):
         cells = layer.cell.cells if isinstance(layer.cell, L.StackedRNNCells) else [layer.cell]
         path = {id(v): p for p, v in variables.items()}
-        found = [_candidates(cell) for cell in cells]
-        return [(path[id(v)], v, axis) for c in found if isinstance(c, list) for _, v, axis in c]
-    return next((r for cls, r in SKIP_REASONS.items() if isinstance(layer, cls)), [])
+        candidates, reasons = [], []
+        for cell in cells:
+            found, why = _candidates(cell)
+            candidates += [(path[id(v)], v, axis) for _, v, axis in found]
+            reasons += why if found or why else [f"cell {cell.name!r} ({type(cell).__name__}) "
+                                                  "is not a prunable kind"]
+        return candidates, reasons
+    reason = next((r for cls, r in SKIP_REASONS.items() if isinstance(layer, cls)), None)
+    return [], [reason] if reason else []

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend import AutocastScope  # Keras' own way to read a variable un-autocast
 
-from tf_sparse24.masks import compute_mask, parse_pattern
+from tf_sparse24.masks import compute_mask, parse_pattern, pattern_mismatch
 from tf_sparse24.registry import (
     lora_layers,
     quantized_layers,
@@ -97,21 +97,6 @@ def stored_value(variable: keras.Variable):
     and tie magnitudes that differ in float32. Each inner layer still autocasts for itself."""
     with AutocastScope(None):
         return variable.value
-
-
-def _pattern_mismatch(mask: np.ndarray, axis: int, n: int, m: int) -> str | None:
-    """How a mask being loaded contradicts pattern N:M, or None: more than N kept in a group, or
-    every group keeping the same other count (a mask made for another pattern). All ones (masks
-    not computed yet) fit any pattern; uneven counts up to N (a custom method) are left alone."""
-    groups = np.moveaxis(mask, axis, -1).reshape(-1, m)
-    kept = np.count_nonzero(groups, axis=1)
-    if kept.size == 0 or np.all(kept == m):
-        return None
-    if kept.max() > n:
-        return f"keeps up to {kept.max()} of every {m}"
-    if kept.min() == kept.max() != n:
-        return f"keeps {kept[0]} of every {m} (a {kept[0]}:{m} mask)"
-    return None
 
 
 def _check_masks_apply(layer: keras.layers.Layer, variables) -> None:
@@ -190,9 +175,10 @@ class Sparse24(keras.layers.Wrapper):
         self._spec = dict(weights) if weights is not None else None
         self._positions = list(weight_positions) if weight_positions is not None else None
         self.pruned_weights: list[PrunedWeight] = []
-        # Where the masks come from: "ones" (not computed), "prune()", "update_masks()" or
-        # "loaded". Sparse24Callback's dense warm-up resets prune()'s silently, others with a
-        # warning. Not saved.
+        # Where the masks came from, as far as this process saw: "ones" (made so), "prune()",
+        # "update_masks()" or "loaded" (a file). Not saved, and not updated by assignments to the
+        # mask variables themselves. Sparse24Callback's dense warm-up resets prune()'s masks
+        # silently, any others with a warning.
         self.masks_source = "ones"
 
     def build(self, input_shape=None):
@@ -254,7 +240,7 @@ class Sparse24(keras.layers.Wrapper):
             value = np.asarray(store[str(i)]) if str(i) in store else None
             if value is None or value.shape != tuple(pw.mask.shape):
                 break  # Keras' own check names the missing or misshaped variable
-            if problem := _pattern_mismatch(value, pw.axis, n, m):
+            if problem := pattern_mismatch(value, pw.axis, n, m):
                 raise ValueError(
                     f"Sparse24 {self.name!r}: the mask of {pw.name!r} being loaded {problem}, "
                     f"but this layer is {self.pattern}. Was the file saved from a model pruned "
