@@ -184,23 +184,7 @@ class Sparse24(keras.layers.Wrapper):
     def build(self, input_shape=None):
         super().build(input_shape)
         variables = relative_variables(self.layer)
-        if self._spec is None:
-            eligible, reasons = scan_layer(self.layer, parse_pattern(self.pattern)[1])
-            if not eligible:
-                raise ValueError(
-                    f"Sparse24: layer {self.layer.name!r} ({type(self.layer).__name__}) has no "
-                    f"weight to prune for pattern {self.pattern}: {'; '.join(reasons) or 'not a prunable kind'}."
-                )
-            self._spec = {path: axis for path, _, axis in eligible}
-        if self._positions is not None:
-            self._spec = self._paths_at_positions(variables)
-        elif any(path not in variables for path in self._spec):  # a config saved before them
-            old = scope_relative_variables(self.layer)
-            path_of = {id(v): p for p, v in variables.items()}
-            self._spec = {
-                path_of[id(old[p])] if p not in variables and p in old else p: axis
-                for p, axis in self._spec.items()
-            }
+        self._spec = self._resolved_spec(variables)
         for path, axis in self._spec.items():
             if path not in variables:
                 raise ValueError(
@@ -249,20 +233,38 @@ class Sparse24(keras.layers.Wrapper):
         super().load_own_variables(store)
         self.masks_source = "loaded"
 
-    def _paths_at_positions(self, variables: dict[str, keras.Variable]) -> dict[str, int]:
-        """The spec with each path replaced by the current path of the variable at its position."""
-        layer_variables = self.layer.variables
-        if len(self._positions) != len(self._spec) or not all(
-            0 <= i < len(layer_variables) for i in self._positions
-        ):
-            raise ValueError(
-                f"Sparse24: layer {self.layer.name!r} has {len(layer_variables)} variables; "
-                f"weight_positions={self._positions} does not fit weights={self._spec}."
-            )
+    def _resolved_spec(self, variables: dict[str, keras.Variable]) -> dict[str, int]:
+        """`{path in `variables`: axis}` of the weights to prune: the registry's when none were
+        named; a config's by their positions (its paths may hold other automatic names); else the
+        named paths, read by the older scope rule where they are not current paths (configs saved
+        before positions were)."""
+        if self._spec is None:
+            eligible, reasons = scan_layer(self.layer, parse_pattern(self.pattern)[1])
+            if not eligible:
+                raise ValueError(
+                    f"Sparse24: layer {self.layer.name!r} ({type(self.layer).__name__}) has no "
+                    f"weight to prune for pattern {self.pattern}: "
+                    f"{'; '.join(reasons) or 'not a prunable kind'}."
+                )
+            return {path: axis for path, _, axis in eligible}
         path_of = {id(v): p for p, v in variables.items()}
+        if self._positions is not None:
+            layer_variables = self.layer.variables
+            if len(self._positions) != len(self._spec) or not all(
+                0 <= i < len(layer_variables) for i in self._positions
+            ):
+                raise ValueError(
+                    f"Sparse24: layer {self.layer.name!r} has {len(layer_variables)} variables; "
+                    f"weight_positions={self._positions} does not fit weights={self._spec}."
+                )
+            return {
+                path_of[id(layer_variables[i])]: axis
+                for i, axis in zip(self._positions, self._spec.values())
+            }
+        old = scope_relative_variables(self.layer)
         return {
-            path_of[id(layer_variables[i])]: axis
-            for i, axis in zip(self._positions, self._spec.values())
+            path_of[id(old[p])] if p not in variables and p in old else p: axis
+            for p, axis in self._spec.items()
         }
 
     def __call__(self, *args, **kwargs):
