@@ -144,3 +144,41 @@ def test_export_of_a_subclassed_model_takes_its_inputs_from_the_command_line(tmp
         main(["export", path, str(tmp_path / "c" / "1"), "--input", "x:float32"])
     assert bad.value.code == 2
     assert "expected NAME:DTYPE:SHAPE" in capsys.readouterr().err
+
+
+NET_MODULE = '''
+import keras
+import tf_sparse24
+
+
+@keras.saving.register_keras_serializable(package="cli_net")
+class CliNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.head = tf_sparse24.Sparse24(keras.layers.Dense(4))
+
+    def call(self, x):
+        return self.head(x)
+'''
+
+
+def test_import_registers_a_subclassed_models_class_in_a_fresh_process(tmp_path, monkeypatch):
+    (tmp_path / "cli_net_module.py").write_text(NET_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from cli_net_module import CliNet  # noqa: PLC0415  (written just above)
+
+    net = CliNet()
+    net(np.ones((2, 8), np.float32))
+    tf_sparse24.prune(net).save(str(tmp_path / "net.keras"))
+    command = [sys.executable, "-m", "tf_sparse24", "export", "net.keras", "out/1",
+               "--input", "x:float32:None,8"]
+
+    def run(*extra):
+        return subprocess.run([*command, *extra], cwd=tmp_path, env=ENV, capture_output=True,
+                              text=True, timeout=400, check=False)
+
+    without = run()
+    assert without.returncode == 1 and "Could not locate class 'CliNet'" in without.stderr
+    done = run("--import", "cli_net_module")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "exported 1 compressed weights" in done.stdout

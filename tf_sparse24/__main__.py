@@ -1,9 +1,9 @@
 """Command line: export a `.keras` model, inspect or verify an export.
 
     python -m tf_sparse24 export MODEL.keras models/name/1 [--mode portable|accelerated]
-                                 [--overwrite] [--input NAME:DTYPE:SHAPE ...]
+                                 [--overwrite] [--input NAME:DTYPE:SHAPE]... [--import MODULE]...
     python -m tf_sparse24 inspect models/name/1 [--json]
-    python -m tf_sparse24 verify models/name/1 [--against MODEL.keras]
+    python -m tf_sparse24 verify models/name/1 [--against MODEL.keras] [--import MODULE]...
 
 Also installed as the `tf_sparse24` console script. Exit status: 0 on success, 1 on a failed
 export or check (the message names the layer, tensor or file), 2 on bad usage.
@@ -12,6 +12,7 @@ export or check (the message names the layer, tensor or file), 2 on bad usage.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -27,16 +28,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing export_dir")
     p.add_argument(
         "--input", action="append", type=_input_spec, metavar="NAME:DTYPE:SHAPE",
-        help="a served input, e.g. pixels:float32:None,28,28,1 (repeat for several; needed for "
-        "subclassed models, which have no symbolic inputs)",
+        help="a served input, e.g. pixels:float32:None,28,28,1 (repeat --input for several; "
+        "needed for subclassed models, which have no symbolic inputs)",
     )
+    _add_import(p)
     p = sub.add_parser("inspect", help="print an export's metadata, per-weight table and sizes")
     p.add_argument("export_dir")
     p.add_argument("--json", action="store_true", help="print the raw metadata JSON instead")
     p = sub.add_parser("verify", help="check checksums, 2:4 validity, ops and (optionally) outputs")
     p.add_argument("export_dir")
     p.add_argument("--against", help="a .keras model whose outputs the export must match")
+    _add_import(p)
     return parser
+
+
+def _add_import(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--import", dest="modules", action="append", default=[], metavar="MODULE",
+        help="import this module first, so that the custom classes the .keras file names are "
+        "registered (repeat for several)",
+    )
 
 
 def _input_spec(text: str):
@@ -70,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     from tf_sparse24.verify import describe, verify  # noqa: PLC0415
 
     try:
+        if getattr(args, "modules", []):
+            sys.path.insert(0, os.getcwd())  # as `python -m` has it; the console script does not
+        for module in getattr(args, "modules", []):
+            importlib.import_module(module)
         if args.command == "export":
             if os.path.exists(args.export_dir) and not args.overwrite:  # before loading the model
                 raise FileExistsError(f"{args.export_dir} exists; pass --overwrite to replace it")
@@ -86,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             report = verify(args.export_dir, against=args.against)
             print(json.dumps(report, indent=1))
             print(f"OK: {args.export_dir}")
-    except (ValueError, OSError) as e:  # ExportError is a ValueError; FileExistsError an OSError
+    except (ValueError, OSError, ImportError) as e:  # ExportError: a ValueError
         hint = " (here: --input NAME:DTYPE:SHAPE)" if "input_signature" in str(e) else ""
         print(f"tf_sparse24 {args.command}: error: {e}{hint}", file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ class Sparse24Callback(keras.callbacks.Callback):
     update), offset to `initial_epoch * steps_per_epoch` when resuming without optimizer state.
     It is read before each batch callback; with `steps_per_execution > 1` (one callback per
     execution) a computation due inside an execution runs at the next execution boundary, at
-    most `steps_per_execution - 1` steps late (masks stay ones until then), or at the end of
+    most `steps_per_execution - 1` steps late (masks stay as they were until then), or at the end of
     `fit` if that comes first (then no step has trained with them).
 
     Order in `callbacks=[...]`: after EarlyStopping / ModelCheckpoint, before CSVLogger and

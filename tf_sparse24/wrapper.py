@@ -111,7 +111,7 @@ def _check_masks_apply(layer: keras.layers.Layer, variables) -> None:
         raise ValueError(
             f"Sparse24: {names} inside {layer.name!r} were quantized: the quantized kernel is "
             "made from the raw weight, not the masked one, so it is not 2:4. Quantize the "
-            "stripped model instead: tf_sparse24.strip(model).quantize(...)."
+            "stripped model instead: plain = tf_sparse24.strip(model); plain.quantize(...)."
         )
 
 
