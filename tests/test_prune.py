@@ -788,3 +788,14 @@ def test_an_rnn_with_an_unknown_cell_gets_a_report_row_with_the_reason():
     rows = {r.layer: r for r in ts.report(ts.prune(model), print_fn=None)}
     assert rows["rnn"].status == "skipped"
     assert "cell 'mine' (MinimalCell) is not a prunable kind" in rows["rnn"].reason
+
+
+def test_a_partly_pruned_layer_reports_why_the_rest_is_left_dense():
+    inp = keras.Input((6, 3))
+    model = keras.Model(inp, keras.layers.LSTM(8, name="lstm")(inp))
+    (row,) = ts.report(ts.prune(model), print_fn=None)
+    assert row.status == "pruned" and row.params == 8 * 32  # the recurrent kernel only
+    assert row.reason == (
+        "2:4: lstm_cell/recurrent_kernel; "
+        "lstm_cell/kernel (3, 32): axis 0 size 3 is not a multiple of 4"
+    )

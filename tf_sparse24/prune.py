@@ -508,12 +508,14 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
         if isinstance(layer, Sparse24):
             effective = [(pw, layer.effective_weight(pw)) for pw in layer.pruned_weights]
             claimed |= {id(pw.variable) for pw in layer.pruned_weights}
+            left = _skip_reasons(layer.layer, parse_pattern(layer.pattern)[1])
             rows.append(
                 LayerReport(
                     layer=layer.name,
                     kind=type(layer.layer).__name__,
                     status="pruned",
-                    reason=f"{layer.pattern}: " + ", ".join(pw.name for pw, _ in effective),
+                    reason=f"{layer.pattern}: " + ", ".join(pw.name for pw, _ in effective)
+                    + "".join(f"; {r}" for r in left),
                     params=sum(int(np.prod(pw.variable.shape)) for pw, _ in effective),
                     nonzeros=sum(int(np.count_nonzero(w)) for _, w in effective),
                     valid=all(is_nm_sparse(w, pw.pattern, pw.axis) for pw, w in effective),
@@ -526,6 +528,21 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
     if print_fn is not None:
         print_fn(format_report(rows))
     return rows
+
+
+def _skip_reasons(layer: keras.layers.Layer, m: int) -> list[str]:
+    """Why weights under a wrapped `layer` were left out (an LSTM's kernel on 3 inputs, an RNN's
+    unknown cell), each reason once: from the outermost layers the registry has anything to say
+    about, not again from their sublayers."""
+    reasons, covered = [], set()
+    for sub in [layer, *walk_layers(layer)]:
+        if id(sub) in covered:
+            continue
+        eligible, why = scan_layer(sub, m)
+        if eligible or why:
+            covered |= {id(s) for s in walk_layers(sub)}
+            reasons += [r for r in why if r not in reasons]
+    return reasons
 
 
 def _unpruned_row(layer, claimed: set[int]) -> LayerReport | None:
@@ -545,7 +562,9 @@ def _unpruned_row(layer, claimed: set[int]) -> LayerReport | None:
                           sum(int(np.prod(v.shape)) for _, v in dense),
                           sum(int(np.count_nonzero(v)) for _, v in dense), None)
     elif reasons and not eligible:
-        params = sum(int(np.prod(v.shape)) for v in layer.weights if v.ndim >= 2)
+        params = sum(
+            int(np.prod(v.shape)) for v in layer.weights if v.ndim >= 2 and id(v) not in claimed
+        )
         row = LayerReport(layer.name, kind, "skipped", "; ".join(reasons), params, params, None)
     else:
         return None
