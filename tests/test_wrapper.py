@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_sparse24
 from tf_sparse24 import Sparse24, is_nm_sparse
 
 RNG = np.random.default_rng(0)
@@ -411,3 +412,45 @@ def test_constraints_hold_for_the_effective_weight():
     np.testing.assert_allclose(np.linalg.norm(effective, axis=0), 1.0, rtol=1e-5)
     pruned = pw.mask.numpy() == 0
     np.testing.assert_array_equal(pw.variable.numpy()[pruned], before[pruned])
+
+
+def rnn_model(seed):
+    """Automatic sublayer names: a second copy in this process gets other ones (`lstm_cell_3`)."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((6, 8))
+    h = keras.layers.RNN(keras.layers.LSTMCell(8), return_sequences=True)(inp)
+    return keras.Model(inp, keras.layers.Bidirectional(keras.layers.GRU(8))(h))
+
+
+def test_checkpoint_restores_masks_into_a_model_made_again_with_other_names(tmp_path):
+    saved = tf_sparse24.prune(rnn_model(0))
+    path = tf.train.Checkpoint(model=saved).write(str(tmp_path / "ckpt"))
+    restored = tf_sparse24.prune(rnn_model(1))
+    names = [[pw.mask.name for pw in w.pruned_weights] for w in tf_sparse24.pruned_layers(restored)]
+    assert names != [[pw.mask.name for pw in w.pruned_weights]
+                     for w in tf_sparse24.pruned_layers(saved)]  # other automatic names
+    tf.train.Checkpoint(model=restored).read(path).assert_existing_objects_matched()
+    for a, b in zip(tf_sparse24.pruned_layers(saved), tf_sparse24.pruned_layers(restored)):
+        for pa, pb in zip(a.pruned_weights, b.pruned_weights):
+            np.testing.assert_array_equal(pa.mask.numpy(), pb.mask.numpy())
+    np.testing.assert_array_equal(np.asarray(restored(SEQ)), np.asarray(saved(SEQ)))
+
+
+def test_checkpoint_with_masks_named_by_path_still_restores(tmp_path):
+    """Checkpoints written before masks were tracked by position name them by their path."""
+    from tensorflow.python.trackable.autotrackable import AutoTrackable
+
+    inp = keras.Input((6, 8))
+    cell = keras.layers.LSTMCell(8, name="cell")
+    model = tf_sparse24.prune(keras.Model(inp, keras.layers.RNN(cell, name="rnn")(inp)))
+    (wrapper,) = tf_sparse24.pruned_layers(model)
+    old, node = AutoTrackable(), AutoTrackable()
+    old._operations = [AutoTrackable(), node]  # the wrapper is the model's operation 1
+    rng = np.random.default_rng(0)
+    want = [rng.integers(0, 2, pw.mask.shape).astype("float32") for pw in wrapper.pruned_weights]
+    for pw, value in zip(wrapper.pruned_weights, want):
+        setattr(node, pw.mask.name, tf.Variable(value))  # "cell_kernel_mask", ...
+    path = tf.train.Checkpoint(model=old).write(str(tmp_path / "old"))
+    tf.train.Checkpoint(model=model).read(path).expect_partial()
+    for pw, value in zip(wrapper.pruned_weights, want):
+        np.testing.assert_array_equal(pw.mask.numpy(), value)

@@ -200,9 +200,10 @@ class Sparse24(keras.layers.Wrapper):
                 trainable=False,
                 autocast=False,
             )
-            setattr(
-                self, mask.name, mask
-            )  # an attribute, so tf.train.Checkpoint tracks it too
+            # An attribute, so tf.train.Checkpoint tracks it too, named by position: a name from
+            # the path would hold automatic sublayer names, which differ when the model is made
+            # again ("lstm_cell_7"), and restore would silently miss the masks.
+            setattr(self, f"mask_{len(self.pruned_weights)}", mask)
             self.pruned_weights.append(
                 PrunedWeight(path, var, mask, axis % var.ndim, self.pattern)
             )
@@ -214,6 +215,15 @@ class Sparse24(keras.layers.Wrapper):
         position = {id(v): i for i, v in enumerate(self.layer.variables)}
         self._positions = [position[id(pw.variable)] for pw in self.pruned_weights]
         self.built = True
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        """Also finds a mask under the path-derived name that checkpoints written before the
+        masks were tracked by position use."""
+        found = super()._lookup_dependency(name, cached_dependencies)
+        if found is None:
+            masks = [pw.mask for pw in getattr(self, "pruned_weights", [])]
+            found = next((mask for mask in masks if mask.name == name), None)
+        return found
 
     def load_own_variables(self, store):
         """Loads the masks (`.keras`, `.weights.h5`), first refusing any made for another
