@@ -787,7 +787,7 @@ def test_an_rnn_with_an_unknown_cell_gets_a_report_row_with_the_reason():
     model = keras.Model(inp, keras.layers.RNN(MinimalCell(name="mine"), name="rnn")(inp))
     rows = {r.layer: r for r in ts.report(ts.prune(model), print_fn=None)}
     assert rows["rnn"].status == "skipped"
-    assert "cell 'mine' (MinimalCell) is not a prunable kind" in rows["rnn"].reason
+    assert "'mine' (MinimalCell) is not a prunable kind" in rows["rnn"].reason
 
 
 def test_a_partly_pruned_layer_reports_why_the_rest_is_left_dense():

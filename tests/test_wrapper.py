@@ -454,3 +454,17 @@ def test_checkpoint_with_masks_named_by_path_still_restores(tmp_path):
     tf.train.Checkpoint(model=model).read(path).expect_partial()
     for pw, value in zip(wrapper.pruned_weights, want):
         np.testing.assert_array_equal(pw.mask.numpy(), value)
+
+
+def test_containers_written_by_hand_find_the_weights_inside():
+    """Sparse24(Bidirectional(LSTM)) and Sparse24(TimeDistributed(Dense)) without `weights`."""
+    bi = Sparse24(keras.layers.Bidirectional(keras.layers.LSTM(8, name="lstm")))
+    bi(SEQ)
+    assert {pw.name: pw.axis for pw in bi.pruned_weights} == {
+        f"{d}_lstm/lstm_cell/{k}": 0
+        for d in ("forward", "backward")
+        for k in ("kernel", "recurrent_kernel")
+    }
+    td = Sparse24(keras.layers.TimeDistributed(keras.layers.Dense(4, name="inner")))
+    td(SEQ)
+    assert [(pw.name, pw.axis) for pw in td.pruned_weights] == [("inner/kernel", 0)]

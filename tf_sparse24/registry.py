@@ -3,8 +3,10 @@
 The registry is data: `PRUNABLE_WEIGHTS` maps a layer class to `{relative variable path: grouping
 axis}`. A path matches a variable whose path relative to the layer ends with it. An RNN layer
 (LSTM, GRU, SimpleRNN, ConvLSTM1D/2D/3D, `RNN(cell)`, `RNN([cells])`) prunes the registered
-weights of its cells. Layers outside the registry can opt in with the `PrunableLayer` protocol: a `get_prunable_weights()` method returning variables (grouped along axis `ndim - 2`, the
-input axis of Keras' kernel layout) or `(variable, axis)` pairs.
+weights of its cells, and Bidirectional / TimeDistributed those of the layers they hold. Layers
+outside the registry can opt in with the `PrunableLayer` protocol: a `get_prunable_weights()`
+method returning variables (grouped along axis `ndim - 2`, the input axis of Keras' kernel
+layout) or `(variable, axis)` pairs.
 """
 
 from __future__ import annotations
@@ -217,15 +219,20 @@ def _candidates(
             for p, v in variables.items()
             if p == suffix or p.endswith("/" + suffix)
         ], []
-    if isinstance(layer, L.RNN):
-        cells = layer.cell.cells if isinstance(layer.cell, L.StackedRNNCells) else [layer.cell]
+    if isinstance(layer, (L.RNN, L.Bidirectional, L.TimeDistributed)):
+        if isinstance(layer, L.RNN):
+            inner = layer.cell.cells if isinstance(layer.cell, L.StackedRNNCells) else [layer.cell]
+        elif isinstance(layer, L.Bidirectional):
+            inner = [layer.forward_layer, layer.backward_layer]
+        else:
+            inner = [layer.layer]
         path = {id(v): p for p, v in variables.items()}
         candidates, reasons = [], []
-        for cell in cells:
-            found, why = _candidates(cell)
+        for sub in inner:  # an RNN's cells, a Bidirectional's two RNNs, TimeDistributed's layer
+            found, why = _candidates(sub)
             candidates += [(path[id(v)], v, axis) for _, v, axis in found]
-            reasons += why if found or why else [f"cell {cell.name!r} ({type(cell).__name__}) "
-                                                  "is not a prunable kind"]
+            reasons += why if found or why else [f"{sub.name!r} ({type(sub).__name__}) is not "
+                                                  "a prunable kind"]
         return candidates, reasons
     reason = next((r for cls, r in SKIP_REASONS.items() if isinstance(layer, cls)), None)
     return [], [reason] if reason else []
