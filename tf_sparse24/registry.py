@@ -231,8 +231,9 @@ def _candidates(
         for sub in inner:  # an RNN's cells, a Bidirectional's two RNNs, TimeDistributed's layer
             found, why = _candidates(sub)
             candidates += [(path[id(v)], v, axis) for _, v, axis in found]
-            reasons += why if found or why else [f"{sub.name!r} ({type(sub).__name__}) is not "
-                                                  "a prunable kind"]
+            if not (found or why):
+                why = [f"{sub.name!r} ({type(sub).__name__}) is not a prunable kind"]
+            reasons += why
         return candidates, reasons
     reason = next((r for cls, r in SKIP_REASONS.items() if isinstance(layer, cls)), None)
     return [], [reason] if reason else []
