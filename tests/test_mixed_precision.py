@@ -192,6 +192,7 @@ def test_export_stores_16_bit_compute_weights_and_serves_the_same(policy, mode, 
         inp = keras.Input((6, 16), name="x")
         h = keras.layers.Conv1D(16, 3, padding="same", name="conv")(inp)  # dense at load
         h = keras.layers.MultiHeadAttention(2, 8, name="mha")(h, h)
+        h = keras.layers.LSTM(16, return_sequences=True, name="lstm")(h)  # read in a while loop
         h = keras.layers.Dense(16, activation="relu", name="fc")(h)
         out = keras.layers.Dense(4, dtype="float32", name="head")(h)
         model = tf_sparse24.prune(keras.Model(inp, out))
@@ -204,7 +205,7 @@ def test_export_stores_16_bit_compute_weights_and_serves_the_same(policy, mode, 
         for pw in layer.pruned_weights
     }
     loaded = tf_sparse24.load(export_dir)
-    assert len(metadata["sparse"]) == 7  # conv, 4 attention kernels, fc, head
+    assert len(metadata["sparse"]) == 9  # conv, 4 attention kernels, 2 LSTM kernels, fc, head
     for entry, values, meta in zip(metadata["sparse"], loaded.sparse_values, loaded.sparse_meta):
         want = "float32" if entry["layer"] == "head" else compute
         assert (entry["dtype"], entry["variable_dtype"]) == (want, "float32"), entry["name"]

@@ -675,10 +675,12 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
     return tf.function(serve, input_signature=specs, autograph=False), caches, read, wide
 
 
-def _used_uncast(tensor: tf.Tensor, dtype, needed: set[str], mask: tf.Tensor | None) -> bool:
+def _used_uncast(
+    tensor: tf.Tensor, dtype, needed: set[str] | None, mask: tf.Tensor | None
+) -> bool:
     """Whether an op the outputs need uses a weight's `tensor` other than cast to `dtype` (how a
-    16-bit layer uses it), looking through identities and the product with its mask of ones: then
-    its values must not be stored in `dtype`."""
+    16-bit layer uses it), looking through identities, the product with its mask of ones and into
+    while loops (an RNN's body): then its values must not be stored in `dtype`."""
 
     def source(t):
         while t.op.type in ("Cast", "Identity"):
@@ -686,13 +688,35 @@ def _used_uncast(tensor: tf.Tensor, dtype, needed: set[str], mask: tf.Tensor | N
         return t.op.name
 
     for op in tensor.consumers():
-        if op.name not in needed or (op.type == "Cast" and op.get_attr("DstT") == dtype):
+        if (needed is not None and op.name not in needed) or (
+            op.type == "Cast" and op.get_attr("DstT") == dtype
+        ):
+            continue
+        if op.type in ("While", "StatelessWhile"):
+            if _used_uncast_in_loop(op, tensor, dtype):
+                return True
             continue
         by_mask = (op.type == "Mul" and mask is not None
                    and any(source(x) == mask.op.name for x in op.inputs))
         if not (op.type == "Identity" or by_mask):
             return True
         if any(_used_uncast(out, dtype, needed, mask) for out in op.outputs):
+            return True
+    return False
+
+
+def _used_uncast_in_loop(loop: tf.Operation, tensor: tf.Tensor, dtype) -> bool:
+    """`_used_uncast` for a loop variable: inside the body, and after the loop. Anything this
+    cannot see into counts as a use at full precision."""
+    try:
+        body = loop.graph._get_function(loop.get_attr("body").name).graph
+    except (AttributeError, KeyError, ValueError):  # private TF API: be safe
+        return True
+    for i, x in enumerate(loop.inputs):
+        if x is tensor and (
+            _used_uncast(body.inputs[i], dtype, None, None)
+            or _used_uncast(loop.outputs[i], dtype, None, None)
+        ):
             return True
     return False
 
