@@ -364,7 +364,8 @@ def _magnitude_masks(model, pattern: str | None, layers, skip, method: str, unse
     any is assigned; with `unset_only`, only for wrappers whose masks are all ones."""
 
     def picked(wrapper, selectors) -> bool:
-        return any(_matches(s, selectors) for s in [wrapper, wrapper.layer, *walk_layers(wrapper.layer)])
+        inside = [wrapper, wrapper.layer, *walk_layers(wrapper.layer)]
+        return any(_matches(s, selectors) for s in inside)
 
     chosen = [
         w for w in pruned_layers(model)

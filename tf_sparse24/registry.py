@@ -34,7 +34,8 @@ PRUNABLE_WEIGHTS: dict[type, dict[str, int]] = {
         "attention_output/kernel": 1,
     },
     # RNN cells (an RNN layer is pruned through its cells): kernel `[in, g*u]`, recurrent_kernel
-    # `[u, g*u]`. ConvLSTM layers (their cell class is not public): `[..., in, 4*f]`, `[..., f, 4*f]`.
+    # `[u, g*u]`. ConvLSTM layers (their cell class is not public): `[..., in, 4*f]` and
+    # `[..., f, 4*f]`.
     L.SimpleRNNCell: {"kernel": 0, "recurrent_kernel": 0},
     L.GRUCell: {"kernel": 0, "recurrent_kernel": 0},
     L.LSTMCell: {"kernel": 0, "recurrent_kernel": 0},
