@@ -283,9 +283,9 @@ class TiedHead(keras.layers.Layer):
 
 
 class TiedNet(keras.Model):
-    def __init__(self, **kwargs):
+    def __init__(self, wrapper=tf_sparse24.Sparse24, **kwargs):
         super().__init__(**kwargs)
-        self.enc = tf_sparse24.Sparse24(keras.layers.Dense(16, use_bias=False))
+        self.enc = wrapper(keras.layers.Dense(16, use_bias=False))
         self.head = TiedHead(self.enc.layer)
 
     def call(self, x):
@@ -310,3 +310,20 @@ def test_a_weight_a_float32_layer_also_reads_is_exported_in_float32(mode, tmp_pa
     assert (entry["dtype"], entry["kernel"]) == ("float32", "dense_at_load")
     served = tf_sparse24.load(tmp_path / "1").signatures["serving_default"](x=tf.constant(x))
     np.testing.assert_array_equal(served["output_0"].numpy(), np.asarray(net(x)))
+
+
+def test_a_weight_kept_in_float32_is_the_effective_weight_srste_too(tmp_path):
+    """SR-STE's effective weight uses the mask of the current weights, not its mask variable
+    (ones before training): the float32 values stored must still be the effective ones."""
+    with global_policy("mixed_bfloat16"):
+        net = TiedNet(wrapper=tf_sparse24.SRSTE)
+        net(np.ones((2, 16), "float32"))
+    (pw,) = net.enc.pruned_weights
+    assert pw.mask.numpy().min() == 1.0  # the mask variable is not the mask in use
+    tf_sparse24.export(net, tmp_path / "1",
+                       input_signature=[tf.TensorSpec([None, 16], tf.float32, name="x")])
+    loaded = tf_sparse24.load(tmp_path / "1")
+    (entry,) = loaded.sparse24_metadata["sparse"]
+    assert entry["dtype"] == "float32"
+    stored = fmt.decompress(loaded.sparse_values[0].numpy(), loaded.sparse_meta[0].numpy(), 16)
+    np.testing.assert_array_equal(stored, net.enc.effective_weight(pw).numpy())

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -42,6 +43,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -73,6 +75,7 @@ class _Sparse:
     pattern: str
     values: np.ndarray
     meta: np.ndarray
+    effective: Callable[[], Any]  # the value the forward uses, in the variable's dtype
 
     @property
     def k(self) -> int:
@@ -311,10 +314,11 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
     for layer in layers:
         if isinstance(layer, Sparse24):
             for pw in layer.pruned_weights:
-                value = _as_computed(layer.layer, pw.variable, layer.effective_weight(pw))
+                effective = functools.partial(layer.effective_weight, pw)
+                value = _as_computed(layer.layer, pw.variable, effective())
                 values, meta = _compress(pw.variable.path, value, pw.axis)
                 found.append(_Sparse(pw.variable.path, layer.layer, pw.variable, pw.mask,
-                                     pw.axis % value.ndim, pw.pattern, values, meta))
+                                     pw.axis % value.ndim, pw.pattern, values, meta, effective))
         elif id(layer) not in wrapped and not isinstance(layer, keras.Model):
             for _, variable, axis in eligible_weights(layer):
                 if id(variable) in claimed:
@@ -326,7 +330,7 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
                 except ValueError:
                     continue  # not 2:4 (a dense kernel): stored as is
                 found.append(_Sparse(variable.path, layer, variable, None, axis % value.ndim,
-                                     "2:4", values, meta))
+                                     "2:4", values, meta, lambda v=variable: v.value))
     _dedupe_names(found)
     return found
 
@@ -758,8 +762,7 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
         values, meta = list(module.sparse_values), list(module.sparse_meta)
         for i in wide:  # ... and one a float32 layer reads is stored with its float32 values
             s = sparse[i]
-            value = s.variable.numpy() * (1 if s.mask is None else s.mask.numpy())
-            s.values, s.meta = _compress(s.name, value, s.axis)
+            s.values, s.meta = _compress(s.name, keras.ops.convert_to_numpy(s.effective()), s.axis)
             values[i] = tf.Variable(s.values, trainable=False)
             meta[i] = tf.Variable(s.meta, trainable=False)
         module.sparse_values, module.sparse_meta = values, meta  # tracked lists are append-only
