@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     from tf_sparse24.verify import describe, verify  # noqa: PLC0415
 
     try:
-        if getattr(args, "modules", []):
+        modules = getattr(args, "modules", [])  # inspect has no --import
+        if modules:
             sys.path.insert(0, os.getcwd())  # as `python -m` has it; the console script does not
-        for module in getattr(args, "modules", []):
+        for module in modules:
             importlib.import_module(module)
         if args.command == "export":
             if os.path.exists(args.export_dir) and not args.overwrite:  # before loading the model

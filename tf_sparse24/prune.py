@@ -448,15 +448,15 @@ def strip(model: keras.Model) -> keras.Model:
             f"{model.name!r} ({type(model).__name__}); export it with tf_sparse24.export instead."
         )
     _check_untied(model, "strip")
-    nodes = {id(layer) for layer in _copied_layers(model)}
-    if nested := [w.name for w in pruned_layers(model) if id(w) not in nodes]:
+    wrappers, nodes = pruned_layers(model), {id(layer) for layer in _copied_layers(model)}
+    if nested := [w.name for w in wrappers if id(w) not in nodes]:
         raise TypeError(
             f"strip(): the Sparse24 layers {nested} of model {model.name!r} sit inside a layer "
             "strip() copies whole (a subclassed model or custom layer, whose code calls them): "
             "it cannot take them out. Export the model instead (tf_sparse24.export), or build "
             "that block as a Functional model."
         )
-    if dense := not_nm_weights(pruned_layers(model)):
+    if dense := not_nm_weights(wrappers):
         warnings.warn(
             f"strip(): the effective weights {dense} of model {model.name!r} are not N:M (masks "
             "never computed, or reset for a dense warm-up and restored so, e.g. by "
