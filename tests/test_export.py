@@ -383,6 +383,39 @@ def test_subclassed_model_called_with_a_dict_takes_a_dict_signature(tmp_path):
         export(model, tmp_path / "2", input_signature={"not valid": tf.TensorSpec([None, 12])})
 
 
+class TwoArgumentNet(keras.Model):
+    """A subclassed model taking its two inputs as positional arguments."""
+
+    def __init__(self):
+        super().__init__(name="two_argument_net")
+        self.image = Sparse24(keras.layers.Dense(8, name="image_proj"))
+        self.text = Sparse24(keras.layers.Dense(8, name="text_proj"))
+
+    def call(self, image, text):
+        return self.image(image) - 2.0 * self.text(text)
+
+
+def test_subclassed_model_with_positional_inputs_gets_one_signature_input_each(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = TwoArgumentNet()
+    rng = np.random.default_rng(3)
+    image, text = rng.random((2, 16), np.float32), rng.random((2, 12), np.float32)
+    model(image, text)
+    for layer in tf_sparse24.pruned_layers(model):
+        layer.update_masks()
+    image_kernel, text_kernel = (prune_24(w.layer.kernel.numpy(), 0) for w in model.layers)
+    want = image @ image_kernel - 2.0 * (text @ text_kernel)  # biases start at zero
+    # Named like the parameters: bound by name, whatever the order of the list.
+    signature = [tf.TensorSpec([None, 12], name="text"), tf.TensorSpec([None, 16], name="image")]
+    export(model, tmp_path / "1", mode="accelerated", input_signature=signature)
+    served = load(tmp_path / "1").signatures["serving_default"](image=image, text=text)
+    np.testing.assert_allclose(served["output_0"].numpy(), want, rtol=1e-5, atol=1e-5)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"]["output_0"] < 1e-5
+    with pytest.raises(ValueError, match=r"takes 2 positional inputs \['image', 'text'\]"):
+        export(model, tmp_path / "2", input_signature=[tf.TensorSpec([None, 16], name="image")])
+    assert not (tmp_path / "2").exists()
+
+
 # --- accelerated: Sparse24MatMul wherever a Dense or matmul-shaped EinsumDense runs ----------
 
 

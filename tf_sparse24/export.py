@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import os
 import re
@@ -387,6 +388,11 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
         if len(set(names)) != len(names):
             raise ValueError(f"input_signature names must be unique. Received: {names}")
         own = model_input_names(model)
+        if (positional := positional_inputs(model)) and len(positional) != len(specs):
+            raise ValueError(
+                f"model {model.name!r} takes {len(positional)} positional inputs {positional}; "
+                f"input_signature has {len(specs)}: {names}"
+            )
         if own is not None and sorted(own) == sorted(names):  # the model's names: bound by name
             by_name = {s.name: s for s in specs}
             return [by_name[name] for name in own]
@@ -407,14 +413,29 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
 
 def model_input_names(model: keras.Model) -> list[str] | None:
     """The names of the model's inputs in the order it takes them (a dict's keys sorted, as
-    `pack_inputs` packs them), or None for a model without symbolic inputs."""
+    `model_arguments` packs them; a `call(self, a, b)`'s parameters), or None for a model without
+    symbolic inputs."""
     try:
         structure = model.input
     except (AttributeError, ValueError):
-        return None
+        return positional_inputs(model)
     if isinstance(structure, dict):
         return sorted(structure)
     return [t.name for t in keras.tree.flatten(structure)]
+
+
+def positional_inputs(model: keras.Model) -> list[str] | None:
+    """The parameter names of a subclassed model's `call` when it takes its inputs as several
+    positional arguments (`call(self, image, text)`): the signature passes one input to each.
+    None for a model called with one input structure."""
+    if _is_functional(model):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [
+        p.name for p in inspect.signature(model.call).parameters.values()
+        if p.kind in kinds and p.default is inspect.Parameter.empty
+    ]  # fmt: skip
+    return names if len(names) > 1 else None
 
 
 def flat_outputs(outputs) -> tuple[list, list[str] | None]:
@@ -664,8 +685,7 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
                 mapping.append((s.mask, ones[i]))
         mapping += list(zip(dense_vars, (tf.identity(v) for v in module.dense)))
         with keras.StatelessScope(state_mapping=mapping), _calls_replaced(list(calls.values())):
-            structured = pack_inputs(model, list(inputs), keys)
-            outputs = model(structured, training=False)
+            outputs = model(*model_arguments(model, list(inputs), keys), training=False)
         flat, _ = flat_outputs(outputs)
         needed = _reachable_ops(flat)
         read.update(i for i, t in stand_ins.items() if t.op.name in needed)
@@ -813,15 +833,20 @@ def _is_functional(model: keras.Model) -> bool:
         return False
 
 
-def pack_inputs(model: keras.Model, inputs: list[tf.Tensor], keys: list[str] | None = None):
-    """Arranges flat signature inputs in the structure the model is called with: a dict by `keys`
-    (a dict input_signature), else `model.input`'s structure, else the tensor or the list."""
+def model_arguments(
+    model: keras.Model, inputs: list[tf.Tensor], keys: list[str] | None = None
+) -> tuple:
+    """The positional arguments to call the model with, from flat signature inputs: a dict by
+    `keys` (a dict input_signature), one per parameter of a `call(self, a, b)`, else
+    `model.input`'s structure, else the tensor or the list."""
     if keys is not None:
-        return dict(zip(keys, inputs))
+        return (dict(zip(keys, inputs)),)
+    if positional_inputs(model):
+        return tuple(inputs)
     try:
-        return keras.tree.pack_sequence_as(model.input, inputs)
+        return (keras.tree.pack_sequence_as(model.input, inputs),)
     except (AttributeError, ValueError):
-        return inputs[0] if len(inputs) == 1 else inputs
+        return (inputs[0] if len(inputs) == 1 else inputs,)
 
 
 def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec], keys: list[str] | None):
@@ -830,7 +855,7 @@ def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec], keys: list[st
         return model.output
     except (AttributeError, ValueError):
         symbolic = [keras.KerasTensor([1, *s.shape[1:]], s.dtype.name) for s in specs]
-        return model.compute_output_spec(pack_inputs(model, symbolic, keys))
+        return model.compute_output_spec(*model_arguments(model, symbolic, keys))
 
 
 def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, dense_values) -> dict:

@@ -26,9 +26,10 @@ from tf_sparse24.export import (
     input_specs,
     graph_ops,
     load,
+    model_arguments,
     model_input_names,
     nonstock_ops,
-    pack_inputs,
+    positional_inputs,
     signature_output_names,
 )
 from tf_sparse24.metadata import ExportError
@@ -103,9 +104,10 @@ def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
     if own is not None and len(own) > 1 and sorted(own) == sorted(inputs):
         # By name (a Functional model takes a dict of its input names), not through the binding
         # the export made, so a served input bound to the wrong model input shows.
-        expected = model(inputs, training=False)
+        args = tuple(inputs[name] for name in own) if positional_inputs(model) else (inputs,)
     else:
-        expected = model(pack_inputs(model, list(inputs.values()), keys), training=False)
+        args = model_arguments(model, list(inputs.values()), keys)
+    expected = model(*args, training=False)
     # A model computing in 16 bits (mixed precision) is compared at 16-bit precision, whatever the
     # dtype of its output layer: the export's kernels round differently from Keras' own.
     low_precision = any(
