@@ -718,6 +718,42 @@ def test_stateful_rnn_state_is_copied_and_an_uncopyable_subclassed_model_is_name
         ts.prune(tagger)
 
 
+class TwoInputNet(keras.Model):
+    """Takes its inputs as two positional arguments: Keras records the first one's shape only."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.image = ts.Sparse24(keras.layers.Dense(8))
+        self.text = ts.Sparse24(keras.layers.Dense(8))
+
+    def call(self, image, text):
+        return self.image(image) - self.text(text)
+
+
+class TwoInputNetWithBuild(TwoInputNet):
+    """The same, rebuilt by Keras from both shapes."""
+
+    def build(self, image_shape, text_shape):
+        self.image.build(image_shape)
+        self.text.build(text_shape)
+
+
+def test_a_subclassed_model_with_two_positional_inputs_is_copied_through_its_build():
+    rng = np.random.default_rng(7)
+    image = rng.normal(size=(2, 16)).astype("float32")
+    text = rng.normal(size=(2, 12)).astype("float32")
+    without = TwoInputNet()
+    without(image, text)
+    with pytest.raises(TypeError, match=r"not built .*give it a build\(\) that builds its layers"):
+        ts.prune(without)
+    model = TwoInputNetWithBuild()
+    model(image, text)
+    pruned = ts.prune(model)
+    kernels = [layer.layer.kernel.numpy() for layer in (model.image, model.text)]
+    image_w, text_w = (np.where(reference_mask(k, 2, 4, 0), k, 0.0) for k in kernels)
+    np.testing.assert_allclose(pruned(image, text), image @ image_w - text @ text_w, atol=1e-5)
+
+
 @pytest.mark.parametrize("saved, loaded", [("2:4", "1:4"), ("1:4", "2:4")])
 def test_weights_saved_for_another_pattern_are_refused(saved, loaded, tmp_path):
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="d")])

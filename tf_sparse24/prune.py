@@ -423,8 +423,9 @@ def _copy_model(model: keras.Model) -> keras.Model:
     if unbuilt := [l.name for l in copy._flatten_layers(include_self=False) if not l.built]:
         raise TypeError(
             f"Cannot copy subclassed model {model.name!r} ({type(model).__name__}): its layers "
-            f"{unbuilt} are not built after from_config() and build_from_config(). Prune it in "
-            f"place with {in_place}."
+            f"{unbuilt} are not built after from_config() and build_from_config() (Keras rebuilds "
+            "a subclassed model from the shapes its build() took: give it a build() that builds "
+            f"its layers, e.g. for a call(self, a, b)), or prune it in place with {in_place}."
         )
     _copy_state(model, copy)
     copy.built = True  # build_from_config builds the layers, not always the model's own flag
