@@ -275,6 +275,36 @@ def test_steps_per_execution_keeps_the_schedule_in_optimizer_steps_across_fits()
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("keep_optimizer", [True, False])
+def test_gradient_accumulation_keeps_the_schedule_in_optimizer_updates_across_fits(keep_optimizer):
+    """8 batches an epoch, 4 optimizer updates (2 batches accumulated each): masks due at updates 6
+    and 11, whether fit() runs once or resumes at epoch 1, with or without the optimizer state."""
+    def optimizer():
+        return keras.optimizers.SGD(0.05, gradient_accumulation_steps=2)
+
+    def run(splits):
+        model = pruned_mlp()
+        compile_(model, optimizer(), eager=False)
+        callback, watch = ts.Sparse24Callback(start_step=6, update_every=5), MaskWatch()
+        epoch = 0
+        for end in splits:
+            if epoch and not keep_optimizer:  # e.g. resumed from .weights.h5
+                compile_(model, optimizer(), eager=False)
+            model.fit(X, Y, batch_size=8, epochs=end, initial_epoch=epoch, shuffle=False,
+                      verbose=0, callbacks=[callback, watch])
+            epoch = end
+        return model, watch.changes
+
+    whole, changes = run([3])
+    assert changes == [6, 11]
+    split, changes = run([1, 3])  # the second fit() starts at update 4 (or 0 without state)
+    assert changes == ([6, 11] if keep_optimizer else [2, 7])
+    assert all(m.mean() == 0.5 for m in masks(split))
+    if keep_optimizer:
+        for a, b in zip(whole.get_weights(), split.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_broken_invariant_fails_loudly_with_layer_name():
     model = pruned_mlp()
     compile_(model, "sgd")

@@ -21,7 +21,8 @@ class Sparse24Callback(keras.callbacks.Callback):
     """Keeps a pruned model's masks on schedule, checks them, and logs sparsity.
 
     The training step is `optimizer.iterations` (saved with the optimizer; one per optimizer
-    update), offset to `initial_epoch * steps_per_epoch` when resuming without optimizer state.
+    update), offset to the updates of `initial_epoch * steps_per_epoch` batches when resuming
+    without optimizer state (an optimizer at step 0).
     It is read before each batch callback; with `steps_per_execution > 1` (one callback per
     execution) a computation due inside an execution runs at the next execution boundary, at
     most `steps_per_execution - 1` steps late (masks stay as they were until then), or at the end of
@@ -94,6 +95,11 @@ class Sparse24Callback(keras.callbacks.Callback):
         # .numpy(): under tf.distribute `iterations` is a MirroredVariable; int() rejects it.
         return int(self.model.optimizer.iterations.numpy())
 
+    def _accumulation(self) -> int:
+        """Batches per optimizer update (`gradient_accumulation_steps`)."""
+        optimizer = getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer)
+        return getattr(optimizer, "gradient_accumulation_steps", None) or 1
+
     def _due_from(self, step: int) -> int | None:
         """The first step >= `step` at which masks are computed (start_step, then every
         update_every after it, or after 0), or None."""
@@ -116,7 +122,10 @@ class Sparse24Callback(keras.callbacks.Callback):
                     "schedule, is unknown. Pass steps_per_epoch to fit(), or restore the optimizer "
                     "state (a .keras file holds it)."
                 )
-            self._offset = max(0, epoch * (steps or 0) - iterations)
+            # An optimizer at step 0 after epoch 0: resumed without optimizer state. Any other
+            # count is the real one (it lags the batches with gradient accumulation, or with
+            # steps a LossScaleOptimizer skipped).
+            self._offset = epoch * (steps or 0) // self._accumulation() if iterations == 0 else 0
             step = iterations + self._offset
             self._next = self._due_from(step)
             if self.start_step is not None and step < self.start_step:
