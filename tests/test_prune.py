@@ -616,8 +616,13 @@ def test_lambda_layers_are_kept_as_they_are():
     np.testing.assert_allclose(ts.strip(pruned)(x), reference, rtol=1e-5, atol=1e-5)
 
 
-def test_lora_enabled_layers_are_skipped_with_the_reason():
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")])
+@pytest.mark.parametrize(
+    "layer",
+    [lambda: keras.layers.Dense(4, name="d"),
+     lambda: keras.layers.EinsumDense("ab,bc->ac", 4, name="d")],  # its `kernel` is computed
+)  # fmt: skip
+def test_lora_enabled_layers_are_skipped_with_the_reason(layer):
+    model = keras.Sequential([keras.Input((8,)), layer()])
     model.layers[0].enable_lora(2)
     model.layers[0].lora_kernel_b.assign(np.ones((2, 4), "float32"))  # trained adapters
     pruned = ts.prune(model)

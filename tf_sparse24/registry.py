@@ -209,7 +209,8 @@ def _candidates(
         axis = einsum_axis(layer.equation, layer.kernel.ndim)
         if isinstance(axis, str):
             return [], [axis]
-        return [(p, v, axis) for p, v in variables.items() if v is layer.kernel], []
+        # `_kernel`: with LoRA enabled `kernel` is the computed `_kernel + lora_a @ lora_b`.
+        return [(p, v, axis) for p, v in variables.items() if v is layer._kernel], []
     table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if type(layer) is cls), None)
     if table is None:
         table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if isinstance(layer, cls)), None)
