@@ -840,3 +840,12 @@ def test_a_partly_pruned_layer_reports_why_the_rest_is_left_dense():
         "2:4: lstm_cell/recurrent_kernel; "
         "lstm_cell/kernel (3, 32): axis 0 size 3 is not a multiple of 4"
     )
+
+
+def test_report_judges_plain_layers_by_the_models_group_size():
+    inp = keras.Input((12,))
+    out = keras.layers.Dense(8, name="out")(keras.layers.Dense(8, name="on_12")(inp))
+    rows = {r.layer: r for r in ts.report(ts.prune(keras.Model(inp, out), "4:8"), print_fn=None)}
+    assert rows["on_12"].status == "skipped"  # was "eligible, left dense" (judged by groups of 4)
+    assert rows["on_12"].reason == "kernel (12, 8): axis 0 size 12 is not a multiple of 8"
+    assert rows["sparse24_out"].status == "pruned"

@@ -504,13 +504,17 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
     """
     _check_model(model, "report")
     rows, claimed = [], set()  # a weight is reported once (MultiHeadAttention, not its sublayers)
+    # Plain layers are judged against the model's group size ("4:8" skips a layer on 12 inputs).
+    sizes = {parse_pattern(layer.pattern)[1] for layer in pruned_layers(model)}
+    m = sizes.pop() if len(sizes) == 1 else 4
     for layer in walk_layers(model):
         if isinstance(layer, keras.Model):
             continue
         if isinstance(layer, Sparse24):
             effective = [(pw, layer.effective_weight(pw)) for pw in layer.pruned_weights]
             claimed |= {id(pw.variable) for pw in layer.pruned_weights}
-            left = _skip_reasons(layer.layer, parse_pattern(layer.pattern)[1])
+            own_m = parse_pattern(layer.pattern)[1]
+            left = _skip_reasons(layer.layer, own_m)
             rows.append(
                 LayerReport(
                     layer=layer.name,
@@ -524,8 +528,8 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
                 )
             )
             inside = [layer.layer, *walk_layers(layer.layer)]  # what the wrapper left dense
-            rows += [row for sub in inside if (row := _unpruned_row(sub, claimed))]
-        elif row := _unpruned_row(layer, claimed):
+            rows += [row for sub in inside if (row := _unpruned_row(sub, claimed, own_m))]
+        elif row := _unpruned_row(layer, claimed, m):
             rows.append(row)
     if print_fn is not None:
         print_fn(format_report(rows))
@@ -547,7 +551,7 @@ def _skip_reasons(layer: keras.layers.Layer, m: int) -> list[str]:
     return reasons
 
 
-def _unpruned_row(layer, claimed: set[int]) -> LayerReport | None:
+def _unpruned_row(layer, claimed: set[int], m: int) -> LayerReport | None:
     """`report()`'s row for a plain layer: its eligible weights left dense, else the reasons it is
     skipped, else None. Weights already reported (`claimed`) are left out; a row claims all of the
     layer's weights, so MultiHeadAttention's sublayers do not repeat its row."""
@@ -555,7 +559,7 @@ def _unpruned_row(layer, claimed: set[int]) -> LayerReport | None:
         return None
     if all(id(v) in claimed for v in layer.weights):
         return None
-    eligible, reasons = scan_layer(layer, 4)
+    eligible, reasons = scan_layer(layer, m)
     dense = [(path, var) for path, var, _ in eligible if id(var) not in claimed]
     kind = type(layer).__name__
     if dense:
