@@ -296,6 +296,13 @@ def test_stateful_rnn_carries_its_state_like_the_unwrapped_layer():
     assert np.abs(outputs[1][0] - outputs[0][0]).max() > 1e-3  # the state really moved
     for a, b in zip(plain_lstm.states, lstm.states):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
+    # Keras 3 models have no reset_states(): users reset every layer that has one.
+    for layer in wrapped.layers:
+        if hasattr(layer, "reset_state"):
+            layer.reset_state()
+    np.testing.assert_allclose(np.asarray(wrapped(SEQ)), outputs[0][0], rtol=1e-5, atol=1e-6)
+    wrapper.reset_states()
+    assert not hasattr(Sparse24(keras.layers.Dense(4)), "reset_state")  # a layer without state
 
 
 class NormedDense(keras.layers.Layer):

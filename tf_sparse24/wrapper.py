@@ -311,6 +311,17 @@ class Sparse24(keras.layers.Wrapper):
     def compute_mask(self, inputs, previous_mask=None):
         return self.layer.compute_mask(inputs, previous_mask)
 
+    @property
+    def reset_state(self):
+        """The wrapped layer's `reset_state` (a stateful RNN's; AttributeError for a layer without
+        one), so a `hasattr(layer, "reset_state")` loop over a model reaches wrapped RNNs."""
+        return self.layer.reset_state
+
+    @property
+    def reset_states(self):
+        """Keras' alias of `reset_state`."""
+        return self.layer.reset_states
+
     def get_build_config(self):
         return {"layer": self.layer.get_build_config()}
 
