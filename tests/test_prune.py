@@ -849,3 +849,60 @@ def test_report_judges_plain_layers_by_the_models_group_size():
     assert rows["on_12"].status == "skipped"  # was "eligible, left dense" (judged by groups of 4)
     assert rows["on_12"].reason == "kernel (12, 8): axis 0 size 12 is not a multiple of 8"
     assert rows["sparse24_out"].status == "pruned"
+
+
+@pytest.mark.parametrize("tie_weights", [False, True])
+def test_reversible_embedding_prunes_its_separate_reverse_projection(tie_weights, tmp_path):
+    inp = keras.Input((5,), dtype="int32")
+    emb = keras.layers.ReversibleEmbedding(32, 16, tie_weights=tie_weights, name="emb")
+    model = keras.Model(inp, emb(keras.layers.Dense(16, name="mix")(emb(inp)), reverse=True))
+    rng = np.random.default_rng(8)
+    for v in model.weights:
+        v.assign(rng.normal(size=v.shape))
+    tokens = rng.integers(0, 32, (3, 5)).astype("int32")
+    pruned = ts.prune(model)
+    rows = {r.layer: r for r in ts.report(pruned, print_fn=None)}
+    table, kernel, bias = (np.float64(model.get_layer(n).get_weights()[i])
+                           for n, i in (("emb", 0), ("mix", 0), ("mix", 1)))  # fmt: skip
+    hidden = table[tokens] @ np.where(reference_mask(kernel, 2, 4, 0), kernel, 0.0) + bias
+    if tie_weights:  # the table serves the lookup too: left dense, with the reason
+        assert rows["emb"].status == "skipped" and "tied embeddings" in rows["emb"].reason
+        expected = hidden @ table.T
+    else:  # reverse_embeddings [16, 32]: x @ W, grouped along its 16 inputs
+        assert rows["sparse24_emb"].reason.startswith("2:4: reverse_embeddings")
+        reverse = np.float64(model.get_layer("emb").reverse_embeddings.numpy())
+        expected = hidden @ np.where(reference_mask(reverse, 2, 4, 0), reverse, 0.0)
+    for copy in (pruned, ts.strip(pruned)):
+        np.testing.assert_allclose(copy(tokens), expected, rtol=1e-4, atol=1e-4)
+    ts.export(pruned, tmp_path / "1")
+    served = tf.saved_model.load(str(tmp_path / "1")).signatures["serving_default"]
+    np.testing.assert_allclose(served(inputs=tokens)["emb"], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [(lambda: keras.layers.Conv1DTranspose(6, 3, strides=2, name="up"), (7, 8)),
+     (lambda: keras.layers.Conv2DTranspose(6, 3, strides=2, padding="same", name="up"), (5, 5, 8)),
+     (lambda: keras.layers.Conv3DTranspose(4, 2, strides=2, name="up"), (3, 3, 3, 8))],
+)  # fmt: skip
+def test_transposed_convs_are_grouped_along_their_input_channels(make, shape, tmp_path):
+    """Kernel `[..., out, in]`: the input channels, summed over, are the last axis."""
+    inp = keras.Input(shape)
+    model = keras.Model(inp, make()(inp))
+    x = np.random.default_rng(9).normal(size=(2, *shape)).astype("float32")
+    kernel = model.get_layer("up").kernel.numpy()
+    mask = reference_mask(kernel, 2, 4, kernel.ndim - 1)
+    assert np.all(mask.reshape(-1, 4).sum(-1) == 2)  # 2 of every 4 consecutive input channels
+    reference = keras.models.clone_model(model)  # Keras' own transposed conv, masked kernel
+    reference.get_layer("up").kernel.assign(np.where(mask, kernel, 0.0))
+    reference.get_layer("up").bias.assign(model.get_layer("up").bias)
+    pruned = ts.prune(model)
+    (row,) = ts.report(pruned, print_fn=None)
+    assert row.status == "pruned" and row.valid and row.density == 0.5
+    for copy in (pruned, ts.strip(pruned)):
+        np.testing.assert_allclose(copy(x), reference(x), rtol=1e-5, atol=1e-5)
+    metadata = ts.export(pruned, tmp_path / "1")
+    assert [e["axis"] for e in metadata["sparse"]] == [kernel.ndim - 1]
+    served = tf.saved_model.load(str(tmp_path / "1")).signatures["serving_default"]
+    (out,) = served(inputs=x).values()
+    np.testing.assert_allclose(out, reference(x), rtol=1e-5, atol=1e-5)

@@ -1,8 +1,9 @@
 """Which weights of which Keras layers are prunable, and along which axis (DESIGN.md contract 1).
 
 The registry is data: `PRUNABLE_WEIGHTS` maps a layer class to `{relative variable path: grouping
-axis}`. A path matches a variable whose path relative to the layer ends with it. An RNN layer
-(LSTM, GRU, SimpleRNN, ConvLSTM1D/2D/3D, `RNN(cell)`, `RNN([cells])`) prunes the registered
+axis}`. A path matches a variable whose path relative to the layer ends with it; EinsumDense
+(axis from its equation) and ReversibleEmbedding (its untied projection) are matched in code. An
+RNN layer (LSTM, GRU, SimpleRNN, ConvLSTM1D/2D/3D, `RNN(cell)`, `RNN([cells])`) prunes the registered
 weights of its cells, and Bidirectional / TimeDistributed those of the layers they hold. Layers
 outside the registry can opt in with the `PrunableLayer` protocol: a `get_prunable_weights()`
 method returning variables (grouped along axis `ndim - 2`, the input axis of Keras' kernel
@@ -25,6 +26,10 @@ PRUNABLE_WEIGHTS: dict[type, dict[str, int]] = {
     L.Conv1D: {"kernel": -2},
     L.Conv2D: {"kernel": -2},
     L.Conv3D: {"kernel": -2},
+    # Transposed convs sum over their input channels, the last kernel axis: `[..., out, in]`.
+    L.Conv1DTranspose: {"kernel": -1},
+    L.Conv2DTranspose: {"kernel": -1},
+    L.Conv3DTranspose: {"kernel": -1},
     L.SeparableConv1D: {"pointwise_kernel": -2},
     L.SeparableConv2D: {"pointwise_kernel": -2},
     L.MultiHeadAttention: {
@@ -48,11 +53,14 @@ PRUNABLE_WEIGHTS: dict[type, dict[str, int]] = {
 SKIP_REASONS: dict[type, str] = {
     L.DepthwiseConv1D: "depthwise kernel: no reduction over input channels to group",
     L.DepthwiseConv2D: "depthwise kernel: no reduction over input channels to group",
-    L.Conv1DTranspose: "transposed conv kernels are [..., out, in]: not supported",
-    L.Conv2DTranspose: "transposed conv kernels are [..., out, in]: not supported",
-    L.Conv3DTranspose: "transposed conv kernels are [..., out, in]: not supported",
     L.Embedding: "embedding lookup is not a matmul",
 }
+
+
+TIED_EMBEDDINGS = (
+    "tied embeddings: the table is also the reverse projection (a lookup, not a matmul); "
+    "tie_weights=False gives a separate, prunable projection"
+)
 
 
 @runtime_checkable
@@ -211,6 +219,12 @@ def _candidates(
             return [], [axis]
         # `_kernel`: with LoRA enabled `kernel` is the computed `_kernel + lora_a @ lora_b`.
         return [(p, v, axis) for p, v in variables.items() if v is layer._kernel], []
+    if isinstance(layer, L.ReversibleEmbedding):  # `x @ reverse_embeddings` [dim, vocab]: a matmul
+        if layer.tie_weights:
+            return [], [TIED_EMBEDDINGS]
+        return [
+            (p, v, 0) for p, v in variables.items() if v is layer.reverse_embeddings
+        ], ["embeddings: embedding lookup is not a matmul"]
     table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if type(layer) is cls), None)
     if table is None:
         table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if isinstance(layer, cls)), None)
