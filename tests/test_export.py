@@ -416,6 +416,29 @@ def test_subclassed_model_with_positional_inputs_gets_one_signature_input_each(t
     assert not (tmp_path / "2").exists()
 
 
+class TrainingArgumentNet(keras.Model):
+    """`call(self, inputs, training)`, training without a default (many TF tutorials)."""
+
+    def __init__(self):
+        super().__init__(name="training_argument_net")
+        self.dense = Sparse24(keras.layers.Dense(8))
+        self.drop = keras.layers.Dropout(0.5)
+
+    def call(self, inputs, training):
+        return self.drop(self.dense(inputs), training=training)
+
+
+def test_keras_call_arguments_without_defaults_are_not_inputs(tmp_path):
+    model = TrainingArgumentNet()
+    x = np.random.default_rng(4).random((2, 16), np.float32)
+    model(x, training=False)
+    model.dense.update_masks()
+    export(model, tmp_path / "1", input_signature=[tf.TensorSpec([None, 16], name="x")])
+    served = load(tmp_path / "1").signatures["serving_default"](x=x)["output_0"]
+    want = x @ prune_24(model.dense.layer.kernel.numpy(), 0)  # inference: no dropout
+    np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
 # --- accelerated: Sparse24MatMul wherever a Dense or matmul-shaped EinsumDense runs ----------
 
 

@@ -434,6 +434,7 @@ def positional_inputs(model: keras.Model) -> list[str] | None:
     names = [
         p.name for p in inspect.signature(model.call).parameters.values()
         if p.kind in kinds and p.default is inspect.Parameter.empty
+        and p.name not in ("training", "mask")  # Keras' own call arguments, not inputs
     ]  # fmt: skip
     return names if len(names) > 1 else None
 
@@ -855,7 +856,7 @@ def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec], keys: list[st
         return model.output
     except (AttributeError, ValueError):
         symbolic = [keras.KerasTensor([1, *s.shape[1:]], s.dtype.name) for s in specs]
-        return model.compute_output_spec(*model_arguments(model, symbolic, keys))
+        return model(*model_arguments(model, symbolic, keys), training=False)  # symbolic: no math
 
 
 def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, dense_values) -> dict:
