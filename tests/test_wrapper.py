@@ -475,3 +475,26 @@ def test_containers_written_by_hand_find_the_weights_inside():
     td = Sparse24(keras.layers.TimeDistributed(keras.layers.Dense(4, name="inner")))
     td(SEQ)
     assert [(pw.name, pw.axis) for pw in td.pruned_weights] == [("inner/kernel", 0)]
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 1e-2), ("bfloat16", 5e-2), ("float64", 1e-12)])
+def test_a_layer_of_another_float_dtype_runs_in_its_own_dtype(dtype, tol):
+    """A Dense(dtype="float16") etc. in a float32 world: its weights are mapped in its dtype (they
+    were cast to floatx, and the layer refused the float32 bias)."""
+    wrapper = Sparse24(keras.layers.Dense(4, dtype=dtype))
+    wrapper.build((None, 8))
+    rng = np.random.default_rng(11)
+    for v in wrapper.layer.weights:
+        v.assign(rng.normal(size=v.shape))
+    wrapper.update_masks()
+    x = rng.normal(size=(3, 8))
+    kernel, bias = (np.asarray(v.numpy(), np.float64) for v in wrapper.layer.weights)
+    mask = np.asarray(wrapper.pruned_weights[0].mask.numpy(), np.float64)
+    with tf.GradientTape() as tape:
+        y = wrapper(tf.cast(x, dtype))
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
+    assert y.dtype == dtype
+    np.testing.assert_allclose(np.asarray(tf.cast(y, tf.float64)), x @ (kernel * mask) + bias,
+                               rtol=tol, atol=tol)
+    grad = tape.gradient(loss, wrapper.layer.kernel)
+    assert np.all(np.asarray(tf.cast(grad, tf.float64))[mask == 0] == 0)

@@ -19,7 +19,7 @@ import dataclasses
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend import AutocastScope  # Keras' own way to read a variable un-autocast
+from keras.src.backend.common import global_state  # where Keras keeps its autocast scope
 
 from tf_sparse24.masks import compute_mask, parse_pattern, pattern_mismatch
 from tf_sparse24.registry import (
@@ -91,11 +91,24 @@ class _MaskedConstraint:
         return self.constraint(w * mask) * mask + w * (1 - mask)
 
 
+@contextlib.contextmanager
+def _without_autocast():
+    """No autocast scope: variables read, and report their `dtype`, as stored. Keras'
+    `AutocastScope(None)` reads values as stored but reports every float variable's `dtype` as
+    `floatx()`, so a float16/bfloat16/float64 layer's mapped weights would be cast to float32."""
+    outer = global_state.get_global_attribute("autocast_scope")
+    global_state.set_global_attribute("autocast_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("autocast_scope", outer)
+
+
 def stored_value(variable: keras.Variable):
     """The variable's current value in its own dtype: inside a mixed-precision call, `.value` is
     autocast to the caller's 16-bit compute dtype, which would round a float32 sublayer's weights
     and tie magnitudes that differ in float32. Each inner layer still autocasts for itself."""
-    with AutocastScope(None):
+    with _without_autocast():
         return variable.value
 
 
@@ -352,7 +365,7 @@ class Sparse24(keras.layers.Wrapper):
         # Out of the autocast scope Keras opened for this call: a StatelessScope converts each value
         # to its variable's `dtype`, which reads as the 16-bit compute dtype inside it, so a float32
         # sublayer would get rounded weights. Each inner layer autocasts for itself.
-        with AutocastScope(None):
+        with _without_autocast():
             masked = {id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights}
             state = [(v, masked.get(id(v), v.value)) for v in self.layer.variables]
             scope = _RecordingScope(state)
