@@ -959,3 +959,42 @@ def test_nested_outputs_under_a_dict_get_one_key_per_leaf_and_repeated_names_a_s
     assert verify(tmp_path / "1", against=nested)["max_abs_diff"].keys() == {"y_0", "y_1", "z"}
     twice = tf_sparse24.prune(keras.Model(inp, [first, first]))
     assert sorted(export(twice, tmp_path / "2")["signature"]["outputs"]) == ["first", "first_1"]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_accelerated_dense_on_a_lookups_integer_or_sparse_one_hot(sparse, tmp_path):
+    """StringLookup's multi-hot is int64 (Keras' matmul promotes it); a sparse one is a
+    SparseTensor, which Keras' own call multiplies (its kernel then decompressed at load)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((1,), dtype="string", name="token")
+    lookup = keras.layers.StringLookup(vocabulary=list("abcdefg"), output_mode="multi_hot",
+                                       sparse=sparse)
+    model = keras.Model(inp, keras.layers.Dense(4, name="logits")(lookup(inp)))
+    randomize_biases(model, 1)
+    pruned = tf_sparse24.prune(model)
+    dense = pruned.get_layer("sparse24_logits").layer
+    kernel, bias = prune_24(dense.kernel.numpy(), 0), dense.bias.numpy()
+    tokens = tf.constant([["a"], ["q"], ["g"]])
+    one_hot = np.eye(8)[[1, 0, 7]]  # index 0: out of vocabulary
+    metadata = export(pruned, tmp_path / "1", mode="accelerated")
+    assert [e["kernel"] for e in metadata["sparse"]] == [
+        "dense_at_load" if sparse else "sparse24_matmul"
+    ]
+    served = load(tmp_path / "1").signatures["serving_default"](token=tokens)["logits"]
+    np.testing.assert_allclose(served.numpy(), one_hot @ kernel + bias, rtol=1e-6, atol=1e-6)
+
+
+def test_accelerated_float64_layers_are_decompressed_at_load_with_stock_ops(tmp_path):
+    """The ops have float32/bfloat16/float16 kernels: float64 weights take the stock-op path."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,), dtype="float64")
+    model = keras.Model(inp, keras.layers.Dense(4, dtype="float64", name="out")(inp))
+    randomize_biases(model, 2)
+    pruned = tf_sparse24.prune(model)
+    dense = pruned.get_layer("sparse24_out").layer
+    x = np.random.default_rng(5).normal(size=(3, 8))
+    metadata = export(pruned, tmp_path / "1", mode="accelerated")
+    assert [(e["dtype"], e["kernel"]) for e in metadata["sparse"]] == [("float64", "dense_at_load")]
+    served = load(tmp_path / "1").signatures["serving_default"](inputs=x)["out"]
+    want = x @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy()
+    np.testing.assert_allclose(served.numpy(), want, rtol=1e-12, atol=1e-12)

@@ -582,9 +582,15 @@ class _SparseCall:
 
     def __call__(self, inputs, training=None):  # `training`: Keras passes it to every call
         layer, c = self.layer, self.contracted
+        if isinstance(inputs, tf.SparseTensor):
+            # Keras' own call (a sparse matmul) on the kernel: the export sees the kernel read,
+            # and traces again with it decompressed at load.
+            return type(layer).call(layer, inputs)
         kernel_shape = list(layer.kernel.shape)
         k, free = math.prod(kernel_shape[:c]), kernel_shape[c:]
-        x, batch = inputs, tf.shape(inputs)[:-c]
+        # Integer inputs (a lookup's one-hot) are promoted as Keras' matmul promotes them.
+        x = inputs if inputs.dtype.is_floating else tf.cast(inputs, layer.compute_dtype)
+        batch = tf.shape(x)[:-c]
         if c != 1:
             x = tf.reshape(x, tf.concat([batch, [k]], axis=0))
         y = self.ops.sparse24_matmul(x, tf.cast(self.values, x.dtype), self.meta)
@@ -605,6 +611,7 @@ def _sparse_call(item: _Sparse, values: tf.Variable, meta: tf.Variable, ops) -> 
             and not getattr(layer, "lora_enabled", False)
             and getattr(layer, "quantization_mode", None) is None
             and getattr(layer, "kernel", None) is item.variable
+            and tf.as_dtype(layer.compute_dtype) in ops.DTYPES  # not float64
         ):
             if isinstance(layer, keras.layers.EinsumDense):
                 contracted = einsum_matmul(layer.equation)
@@ -769,7 +776,11 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
             call = _sparse_call(s, module.sparse_values[i], module.sparse_meta[i], ops)
             if call is not None:
                 calls[i] = call
-    decompress = ops.sparse24_decompress if mode == "accelerated" else portable.decompress
+    decompress = portable.decompress
+    if mode == "accelerated":  # the op for its dtypes, stock ops for others (float64)
+        decompress = lambda values, meta, k: (  # noqa: E731
+            ops.sparse24_decompress if values.dtype in ops.DTYPES else portable.decompress
+        )(values, meta, k)
     while True:
         serving, caches, read, wide = _serving_function(
             model, specs, keys, output_names, module, sparse, dense_vars, calls, decompress

@@ -52,6 +52,7 @@ def _built_tf_version(path: str) -> str:
     return fn().decode()
 
 
+DTYPES = (tf.float32, tf.bfloat16, tf.float16)  # the ops' kernels (CPU and GPU)
 OP_NAMES = ("sparse24_compress", "sparse24_decompress", "sparse24_mat_mul")  # the op module's
 
 
