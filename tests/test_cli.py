@@ -182,3 +182,34 @@ def test_import_registers_a_subclassed_models_class_in_a_fresh_process(tmp_path,
     done = run("--import", "cli_net_module")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "exported 1 compressed weights" in done.stdout
+
+
+@keras.saving.register_keras_serializable(package="test_cli")
+class DictNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.head = tf_sparse24.Sparse24(keras.layers.Dense(4))
+
+    def call(self, inputs):
+        return self.head(inputs["x"]) * 2.0
+
+
+def test_dict_inputs_export_a_subclassed_model_called_with_a_dict(tmp_path, capsys):
+    x = np.random.default_rng(2).standard_normal((3, 8)).astype(np.float32)
+    net = DictNet()
+    net({"x": x})
+    model = tf_sparse24.prune(net)
+    path = str(tmp_path / "net.keras")
+    model.save(path)
+    assert main(["export", path, str(tmp_path / "a" / "1"), "--input", "x:float32:None,8"]) == 1
+    assert "needs --dict-inputs" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    argv = ["export", path, str(tmp_path / "b" / "1"), "--input", "x:float32:None,8"]
+    assert main([*argv, "--dict-inputs"]) == 0
+    served = tf_sparse24.load(tmp_path / "b" / "1").signatures["serving_default"]
+    kernel = model.head.layer.kernel.numpy() * model.head.pruned_weights[0].mask.numpy()
+    np.testing.assert_allclose(served(x=x)["output_0"].numpy(), 2.0 * (x @ kernel),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    with pytest.raises(SystemExit) as bad:
+        main(["export", path, str(tmp_path / "c" / "1"), "--dict-inputs"])
+    assert bad.value.code == 2

@@ -1,7 +1,8 @@
 """Command line: export a `.keras` model, inspect or verify an export.
 
     python -m tf_sparse24 export MODEL.keras models/name/1 [--mode portable|accelerated]
-                                 [--overwrite] [--input NAME:DTYPE:SHAPE]... [--import MODULE]...
+                                 [--overwrite] [--input NAME:DTYPE:SHAPE]... [--dict-inputs]
+                                 [--import MODULE]...
     python -m tf_sparse24 inspect models/name/1 [--json]
     python -m tf_sparse24 verify models/name/1 [--against MODEL.keras] [--import MODULE]...
 
@@ -30,6 +31,11 @@ def _parser() -> argparse.ArgumentParser:
         "--input", action="append", type=_input_spec, metavar="NAME:DTYPE:SHAPE",
         help="a served input, e.g. pixels:float32:None,28,28,1 (repeat --input for several; "
         "needed for subclassed models, which have no symbolic inputs)",
+    )
+    p.add_argument(
+        "--dict-inputs", action="store_true",
+        help="call the model with a dict of the --input tensors keyed by their names (a "
+        "subclassed model whose call takes a dict)",
     )
     _add_import(p)
     p = sub.add_parser("inspect", help="print an export's metadata, per-weight table and sizes")
@@ -71,7 +77,10 @@ def _input_spec(text: str):
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "dict_inputs", False) and not args.input:
+        parser.error("--dict-inputs needs the inputs: --input NAME:DTYPE:SHAPE")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up noise out
     import keras  # noqa: PLC0415  (heavy imports after argument parsing)
 
@@ -90,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             if os.path.exists(args.export_dir) and not args.overwrite:  # before loading the model
                 raise FileExistsError(f"{args.export_dir} exists; pass --overwrite to replace it")
             model = keras.saving.load_model(args.model, compile=False)
-            metadata = export(model, args.export_dir, args.mode, args.overwrite, args.input)
+            signature = {s.name: s for s in args.input} if args.dict_inputs else args.input
+            metadata = export(model, args.export_dir, args.mode, args.overwrite, signature)
             print(f"exported {len(metadata['sparse'])} compressed weights to {args.export_dir}")
             print(describe(args.export_dir))
         elif args.command == "inspect":
@@ -102,14 +112,23 @@ def main(argv: list[str] | None = None) -> int:
             report = verify(args.export_dir, against=args.against)
             print(json.dumps(report, indent=1))
             print(f"OK: {args.export_dir}")
-    except (ValueError, OSError, ImportError) as e:  # ExportError: a ValueError
-        hint = " (here: --input NAME:DTYPE:SHAPE)" if "input_signature" in str(e) else ""
-        print(f"tf_sparse24 {args.command}: error: {e}{hint}", file=sys.stderr)
-        return 1
     except Exception as e:  # noqa: BLE001  (load_model's TypeError for a class not importable, ...)
-        print(f"tf_sparse24 {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        # ExportError is a ValueError; other kinds of error are named.
+        kind = "" if isinstance(e, (ValueError, OSError, ImportError)) else f"{type(e).__name__}: "
+        print(f"tf_sparse24 {args.command}: error: {kind}{e}{_hint(args, e)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _hint(args: argparse.Namespace, error: Exception) -> str:
+    """The command-line spelling of what an export error asks for."""
+    if args.command != "export":
+        return ""
+    if "input_signature" in str(error):
+        return " (here: --input NAME:DTYPE:SHAPE)"
+    if args.input and not args.dict_inputs:
+        return " (a model called with a dict of its inputs needs --dict-inputs)"
+    return ""
 
 
 if __name__ == "__main__":
