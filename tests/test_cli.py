@@ -212,4 +212,6 @@ def test_dict_inputs_export_a_subclassed_model_called_with_a_dict(tmp_path, caps
                                rtol=1e-5, atol=1e-5)  # fmt: skip
     with pytest.raises(SystemExit) as bad:
         main(["export", path, str(tmp_path / "c" / "1"), "--dict-inputs"])
-    assert bad.value.code == 2
+    assert bad.value.code == 2 and "--dict-inputs needs" in capsys.readouterr().err
+    assert main(argv) == 1  # exists: no hint about dicts there
+    assert "--dict-inputs" not in capsys.readouterr().err

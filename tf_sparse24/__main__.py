@@ -126,7 +126,7 @@ def _hint(args: argparse.Namespace, error: Exception) -> str:
         return ""
     if "input_signature" in str(error):
         return " (here: --input NAME:DTYPE:SHAPE)"
-    if args.input and not args.dict_inputs:
+    if args.input and not args.dict_inputs and "infer the output shape" in str(error):
         return " (a model called with a dict of its inputs needs --dict-inputs)"
     return ""
 

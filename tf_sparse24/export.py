@@ -867,7 +867,10 @@ def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec], keys: list[st
         return model.output
     except (AttributeError, ValueError):
         symbolic = [keras.KerasTensor([1, *s.shape[1:]], s.dtype.name) for s in specs]
-        return model(*model_arguments(model, symbolic, keys), training=False)  # symbolic: no math
+        # Not `model(...)`: a symbolic call would give a subclassed model `input`s of its own.
+        accepts = inspect.signature(model.call).parameters
+        kwargs = {"training": False} if "training" in accepts else {}
+        return model.compute_output_spec(*model_arguments(model, symbolic, keys), **kwargs)
 
 
 def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, dense_values) -> dict:
