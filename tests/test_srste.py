@@ -316,3 +316,29 @@ def test_subclassed_model_with_srste_layers_copies_through_prune():
     np.testing.assert_allclose(
         copy(x), hidden @ (w2 * np_mask(w2, "1:4", 0)) + b2, rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("floatx", ["float64", "float16"])
+def test_decay_loss_is_in_floatx_so_fit_runs_under_another_floatx(floatx):
+    """Keras sums added losses with the compiled loss in floatx: a float32 decay loss beside a
+    float64 (or float16) loss stopped the first step."""
+    default = keras.config.floatx()
+    keras.config.set_floatx(floatx)
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8)])
+        pruned = tf_sparse24.prune(model, wrapper=SRSTE)
+        x = np.random.default_rng(1).normal(size=(32, 16)).astype(floatx)
+        wrapper = pruned.layers[0]
+        wrapper(x, training=True)
+        (loss,) = wrapper.losses
+        kernel = np.float64(wrapper.layer.kernel.numpy())
+        pruned_part = np.where(np_mask(kernel, "2:4", 0), 0.0, kernel)
+        assert loss.dtype == floatx
+        np.testing.assert_allclose(float(loss), 0.5 * 2e-4 * np.sum(pruned_part**2), rtol=1e-3)
+        pruned.compile(keras.optimizers.SGD(1e-3), "mse")
+        history = pruned.fit(x, x[:, :8], epochs=2, batch_size=16, verbose=0)
+        assert np.all(np.isfinite(history.history["loss"]))
+        assert_exact_nm(np.float64(tf_sparse24.strip(pruned).layers[0].kernel.numpy()), "2:4", 0)
+    finally:
+        keras.config.set_floatx(default)

@@ -94,7 +94,9 @@ class SRSTE(Sparse24):
                 pruned = tf.cast((1 - mask) * stored_value(pw.variable), "float32")
                 decay.append(tf.reduce_sum(tf.square(pruned)))
             if self.decay and decay:
-                self.add_loss(0.5 * self.decay * tf.add_n(decay))
+                # In floatx, as Keras sums it with the compiled loss (float16 under floatx float16).
+                loss = 0.5 * self.decay * tf.add_n(decay)
+                self.add_loss(tf.cast(loss, keras.config.floatx()))
         self._masks_this_call = masks  # computed once per call; `effective_weight` reuses them
         try:
             return super().call(*args, **kwargs)
