@@ -98,6 +98,17 @@ def test_exact_matches_brute_force_and_greedy_matches_loop_reference(shape, seed
     # the 90 two-per-line patterns.)
 
 
+def test_float64_weights_are_compared_in_float64():
+    """Differences of 1e-9 around 1 (or magnitudes below float32's range) vanish in float32."""
+    r = np.random.default_rng(3).random((8, 8))
+    for w in (1.0 + 1e-9 * r, 1e-50 * r):
+        exact = compute_mask(w, axis=0, method="transposable").numpy()
+        kept = (np.abs(w) * exact).sum()
+        assert kept == pytest.approx(_exact_reference_kept(w), rel=1e-14)  # the float64 optimum
+        greedy = compute_mask(w, axis=0, method="transposable_greedy").numpy()
+        np.testing.assert_array_equal(greedy, _greedy_reference(w))
+
+
 def test_transposable_keeps_no_more_than_plain_2to4_and_masks_both_ways():
     w = np.random.default_rng(1).normal(size=(64, 32)).astype(np.float32)
     plain = compute_mask(w).numpy()

@@ -49,14 +49,15 @@ def _block_problem(name: str, shape, n: int) -> str | None:
 
 
 def _blocks(groups: tf.Tensor, n: int, name: str) -> tf.Tensor:
-    """`[G, 4, P]` -> `[G, P/4, 4 (k), 4 (n)]` magnitudes in float32."""
+    """`[G, 4, P]` -> `[G, P/4, 4 (k), 4 (n)]` magnitudes in float32 (float64 for float64
+    weights, whose differences float32 may not hold)."""
     if problem := _block_problem(name, tuple(groups.shape), n):
         raise ValueError(problem)
     p = tf.shape(groups)[2]  # dynamic under compute_mask's tf.function
     message = f"mask method {name!r} needs N (of the [K, N] view) to be a multiple of 4"
     checks = [tf.debugging.assert_equal(p % 4, 0, message=message)]
     with tf.control_dependencies(checks):
-        mag = tf.abs(tf.cast(groups, tf.float32))
+        mag = tf.abs(tf.cast(groups, tf.float64 if groups.dtype == tf.float64 else tf.float32))
     return tf.transpose(tf.reshape(mag, [-1, 4, p // 4, 4]), [0, 2, 1, 3])
 
 
@@ -67,7 +68,7 @@ def _unblock(keep: tf.Tensor, shape) -> tf.Tensor:
 def transposable_exact(groups: tf.Tensor, n: int) -> tf.Tensor:
     """Best of the 90 transposable patterns per 4x4 block; bool tensor shaped like `groups`."""
     blocks = _blocks(groups, n, "transposable")
-    patterns = tf.constant(PATTERNS_4X4.reshape(90, 16))
+    patterns = tf.constant(PATTERNS_4X4.reshape(90, 16), blocks.dtype)
     scores = tf.einsum("gbi,pi->gbp", tf.reshape(blocks, [-1, tf.shape(blocks)[1], 16]), patterns)
     best = tf.gather(patterns, tf.argmax(scores, axis=-1, output_type=tf.int32))
     keep = tf.reshape(best, tf.shape(blocks)) > 0
@@ -84,13 +85,13 @@ def transposable_greedy(groups: tf.Tensor, n: int) -> tf.Tensor:
     keep = tf.zeros_like(flat)
     for step in range(16):
         idx = order[:, step]
-        row = tf.one_hot(idx // 4, 4)
-        col = tf.one_hot(idx % 4, 4)
+        row = tf.one_hot(idx // 4, 4, dtype=flat.dtype)
+        col = tf.one_hot(idx % 4, 4, dtype=flat.dtype)
         room = (tf.reduce_sum(row * row_count, -1) < 2) & (tf.reduce_sum(col * col_count, -1) < 2)
         take = tf.cast(room, flat.dtype)[:, None]
         row_count += row * take
         col_count += col * take
-        keep += tf.one_hot(idx, 16) * take
+        keep += tf.one_hot(idx, 16, dtype=flat.dtype) * take
     return _unblock(tf.reshape(keep > 0, tf.shape(blocks)), tf.shape(groups))
 
 
