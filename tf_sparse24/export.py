@@ -776,11 +776,12 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
             call = _sparse_call(s, module.sparse_values[i], module.sparse_meta[i], ops)
             if call is not None:
                 calls[i] = call
-    decompress = portable.decompress
-    if mode == "accelerated":  # the op for its dtypes, stock ops for others (float64)
-        decompress = lambda values, meta, k: (  # noqa: E731
-            ops.sparse24_decompress if values.dtype in ops.DTYPES else portable.decompress
-        )(values, meta, k)
+
+    def decompress(values, meta, k):  # the op for its dtypes, stock ops for others (float64)
+        if mode == "accelerated" and values.dtype in ops.DTYPES:
+            return ops.sparse24_decompress(values, meta, k)
+        return portable.decompress(values, meta, k)
+
     while True:
         serving, caches, read, wide = _serving_function(
             model, specs, keys, output_names, module, sparse, dense_vars, calls, decompress

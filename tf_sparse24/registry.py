@@ -3,11 +3,11 @@
 The registry is data: `PRUNABLE_WEIGHTS` maps a layer class to `{relative variable path: grouping
 axis}`. A path matches a variable whose path relative to the layer ends with it; EinsumDense
 (axis from its equation) and ReversibleEmbedding (its untied projection) are matched in code. An
-RNN layer (LSTM, GRU, SimpleRNN, ConvLSTM1D/2D/3D, `RNN(cell)`, `RNN([cells])`) prunes the registered
-weights of its cells, and Bidirectional / TimeDistributed those of the layers they hold. Layers
-outside the registry can opt in with the `PrunableLayer` protocol: a `get_prunable_weights()`
-method returning variables (grouped along axis `ndim - 2`, the input axis of Keras' kernel
-layout) or `(variable, axis)` pairs.
+RNN layer (LSTM, GRU, SimpleRNN, ConvLSTM1D/2D/3D, `RNN(cell)`, `RNN([cells])`) prunes the
+registered weights of its cells, and Bidirectional / TimeDistributed those of the layers they
+hold. Layers outside the registry can opt in with the `PrunableLayer` protocol: a
+`get_prunable_weights()` method returning variables (grouped along axis `ndim - 2`, the input
+axis of Keras' kernel layout) or `(variable, axis)` pairs.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def _candidates(
             return [], [TIED_EMBEDDINGS]
         return [
             (p, v, 0) for p, v in variables.items() if v is layer.reverse_embeddings
-        ], ["embeddings: embedding lookup is not a matmul"]
+        ], [f"embeddings: {SKIP_REASONS[L.Embedding]}"]
     table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if type(layer) is cls), None)
     if table is None:
         table = next((t for cls, t in PRUNABLE_WEIGHTS.items() if isinstance(layer, cls)), None)
