@@ -831,6 +831,33 @@ def test_an_rnn_with_an_unknown_cell_gets_a_report_row_with_the_reason():
     assert "'mine' (MinimalCell) is not a prunable kind" in rows["rnn"].reason
 
 
+@keras.saving.register_keras_serializable(package="test_prune")
+class DenseCell(keras.layers.Layer):
+    """A user RNN cell computing with a Dense of its own (which gets pruned)."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.state_size = units, units
+        self.proj = keras.layers.Dense(units, name="proj")
+
+    def build(self, input_shape):
+        self.proj.build((input_shape[0], input_shape[-1] + self.units))
+
+    def call(self, x, states):
+        h = self.proj(keras.ops.concatenate([x, states[0]], axis=-1))
+        return h, [h]
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def test_an_rnn_whose_cell_holds_a_dense_reports_only_the_pruned_row():
+    inp = keras.Input((6, 8))
+    model = keras.Model(inp, keras.layers.RNN(DenseCell(name="mine"), name="rnn")(inp))
+    (row,) = ts.report(ts.prune(model), print_fn=None)  # no "not a prunable kind" row or reason
+    assert (row.status, row.reason, row.params) == ("pruned", "2:4: mine/proj/kernel", 16 * 8)
+
+
 def test_a_partly_pruned_layer_reports_why_the_rest_is_left_dense():
     inp = keras.Input((6, 3))
     model = keras.Model(inp, keras.layers.LSTM(8, name="lstm")(inp))

@@ -247,7 +247,8 @@ def _candidates(
         for sub in inner:  # an RNN's cells, a Bidirectional's two RNNs, TimeDistributed's layer
             found, why = _candidates(sub)
             candidates += [(path[id(v)], v, axis) for _, v, axis in found]
-            if not (found or why):
+            inside = sub._flatten_layers(include_self=False)  # a custom cell's own Dense, ...
+            if not (found or why or any(_candidates(s)[0] for s in inside)):
                 why = [f"{sub.name!r} ({type(sub).__name__}) is not a prunable kind"]
             reasons += why
         return candidates, reasons
