@@ -933,3 +933,21 @@ def test_transposed_convs_are_grouped_along_their_input_channels(make, shape, tm
     served = tf.saved_model.load(str(tmp_path / "1")).signatures["serving_default"]
     (out,) = served(inputs=x).values()
     np.testing.assert_allclose(out, reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_that_cannot_be_copied_from_its_config_is_named():
+    class Unregistered(keras.layers.Layer):  # not registered: RNN.from_config cannot find it
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.state_size = 8
+
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 8), name="kernel")
+
+        def call(self, x, states):
+            return x @ self.kernel, states
+
+    inp = keras.Input((6, 8))
+    model = keras.Model(inp, keras.layers.RNN(Unregistered(), name="rnn")(inp))
+    with pytest.raises(TypeError, match=r"copy layer 'rnn' \(RNN\).*Unregistered(.|\n)*register"):
+        ts.prune(model)

@@ -232,7 +232,15 @@ def _copy_layer(layer):
     """
     if isinstance(layer, keras.layers.Lambda) and not layer.weights:
         return layer
-    new = layer.__class__.from_config(layer.get_config())
+    try:
+        new = layer.__class__.from_config(layer.get_config())
+    except Exception as err:
+        raise TypeError(
+            f"Cannot copy layer {layer.name!r} ({type(layer).__name__}) from its config: {err}\n"
+            "The model is copied layer by layer with get_config()/from_config(): give custom "
+            "layers a get_config() returning their constructor arguments, and register the "
+            "custom classes they hold with @keras.saving.register_keras_serializable()."
+        ) from err
     if isinstance(layer, keras.layers.Layer) and layer.built:
         if layer.weights:
             new.build_from_config(layer.get_build_config())
