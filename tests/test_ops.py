@@ -1,7 +1,11 @@
 """The sparse24 TF ops against the numpy reference (format.py), float64 numpy and dense TF."""
 
+import os
 import re
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -525,3 +529,19 @@ def test_library_records_its_tf_version():
     built = ops._built_tf_version(ops.library_path())
     assert built.split(".")[:2] == tf.__version__.split(".")[:2]
     assert ops.load_library() is ops.load_library()
+
+
+def test_import_without_a_usable_library_says_why(tmp_path):
+    """A package whose library is missing (or built for another TF) still imports, and says so."""
+    package = tmp_path / "tf_sparse24"
+    package.mkdir()
+    for source in Path(ops.__file__).parent.glob("*.py"):  # the Python files, no library
+        shutil.copy(source, package)
+    result = subprocess.run(
+        [sys.executable, "-c", "import tf_sparse24; print('imported', tf_sparse24.__file__)"],
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "3"},
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.stdout.strip() == f"imported {package / '__init__.py'}", result.stderr
+    assert "UserWarning: tf_sparse24 op library not found" in result.stderr
+    assert "portable exports work" in result.stderr

@@ -19,6 +19,7 @@ import glob
 import math
 import os
 import threading
+import warnings
 from types import ModuleType
 
 import tensorflow as tf
@@ -334,8 +335,13 @@ def sparse_matmul(x: tf.Tensor, cw: CompressedWeight) -> tf.Tensor:
 
 
 # Register the ops at import: `import tf_sparse24` is all an accelerated SavedModel needs to load.
-# Without a usable library the pure-Python parts still work; the first op call raises the reason.
+# Without a usable library the pure-Python parts still work; the import says why, and every op
+# call raises it.
 try:
     load_library()
-except OpLibraryError:
-    pass
+except OpLibraryError as error:
+    warnings.warn(
+        f"{error} Until then the ops (accelerated exports, tf_sparse24.ops) raise this error; "
+        "pruning, training and portable exports work.",
+        stacklevel=2,
+    )
