@@ -340,11 +340,13 @@ def test_subclassed_model_needs_and_uses_an_input_signature(tmp_path):
     keras.utils.set_random_seed(0)
     model = TwoLayerNet()
     x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    spec = [tf.TensorSpec([None, 8], tf.float32, name="features")]
+    with pytest.raises(ValueError, match="needs a built model: call model 'two_layer_net' on"):
+        export(model, tmp_path / "1", input_signature=spec)  # was: "prune it ... first"
     model(x)
     prune_plain_layers(model)
     with pytest.raises(ValueError, match="pass input_signature"):
         export(model, tmp_path / "1")
-    spec = [tf.TensorSpec([None, 8], tf.float32, name="features")]
     metadata = export(model, tmp_path / "1", mode="accelerated", input_signature=spec)
     # The layers' calls are replaced while the serving function is traced: both run sparse.
     assert [e["kernel"] for e in metadata["sparse"]] == ["sparse24_matmul"] * 2

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001  (load_model's TypeError for a class not importable, ...)
         # ExportError is a ValueError; other kinds of error are named.
         kind = "" if isinstance(e, (ValueError, OSError, ImportError)) else f"{type(e).__name__}: "
-        print(f"tf_sparse24 {args.command}: error: {kind}{e}{_hint(args, e)}", file=sys.stderr)
+        text = " ".join(str(e).split())  # one line (Keras' messages span several)
+        print(f"tf_sparse24 {args.command}: error: {kind}{text}{_hint(args, e)}", file=sys.stderr)
         return 1
     return 0
 

@@ -19,9 +19,9 @@ Modes:
   wherever the layer is called: Functional, Sequential and subclassed models, nested models,
   custom layers, `Sparse24` wrappers. While `serve` is traced, each such layer's `call` is replaced
   (an instance attribute, removed again after the trace) by one that runs `Sparse24MatMul` then
-  the layer's bias and activation. Every other pruned kernel (Conv, RNN kernels, LoRA or quantized
-  Dense, other EinsumDense equations, a kernel also read outside its layer's call) is decompressed
-  at load with `Sparse24Decompress`. Loading needs the op library (`import tf_sparse24`; TF
+  the layer's bias and activation. Every other compressed kernel (Conv, RNN kernels, other
+  EinsumDense equations, a kernel also read outside its layer's call) is decompressed at load
+  with `Sparse24Decompress`. (Kernels of LoRA-enabled or quantized layers are not compressed.) Loading needs the op library (`import tf_sparse24`; TF
   Serving: link `//cc:sparse24_ops`). The metadata records, per weight, `kernel`:
   "sparse24_matmul" or "dense_at_load".
 
@@ -120,6 +120,12 @@ def export(
         raise ValueError(f"mode must be one of {md.MODES}. Received: mode={mode!r}")
     if not isinstance(model, keras.Model):
         raise ValueError(f"export expects a keras.Model. Received: {type(model).__name__}")
+    if not model.built:  # (a subclassed model loaded from a file whose build() could not run)
+        raise ValueError(
+            f"export() needs a built model: call model {model.name!r} on data first (a subclassed "
+            "model taking several inputs needs a build() taking their shapes to be rebuilt when "
+            "loaded; see docs/USAGE.md)"
+        )
     export_dir = os.path.abspath(os.fspath(export_dir))
     if os.path.exists(export_dir) and not overwrite:
         raise FileExistsError(f"{export_dir} exists; pass overwrite=True to replace it")
