@@ -306,6 +306,17 @@ def test_permute_skips_quantized_and_lora_layers(mode):
     assert by_producer["d2"].permuted
 
 
+def test_permute_skips_groups_wider_than_max_channels():
+    model = _chain()  # d0 -> 16 channels -> d1 -> 32 channels -> d2 -> 16 channels -> d3
+    _randomize(model, seed=11)
+    permuted, reports = permute(model, kicks=1, max_channels=16, progress=False)
+    _assert_same_function(model, permuted, _x(8, 16))
+    by_producer = {r.producer: r for r in reports}
+    assert not by_producer["d1"].permuted
+    assert "32 channels > max_channels=16" in by_producer["d1"].reason
+    assert by_producer["d0"].permuted and by_producer["d2"].permuted
+
+
 def test_permute_skips_channels_through_keras_ops():
     inputs = keras.Input((16,))
     x = keras.layers.Dense(32, name="d0")(inputs * 2.0)

@@ -562,7 +562,9 @@ def _channel_rows(layers: list[keras.layers.Layer]) -> np.ndarray:
     return np.concatenate(rows)
 
 
-def _plan(graph: _Graph, selectors: list) -> tuple[list[_Plan], list[PermutationReport]]:
+def _plan(
+    graph: _Graph, selectors: list, max_channels: int | None
+) -> tuple[list[_Plan], list[PermutationReport]]:
     """The groups to permute (their kernels read and checked) and reports for the skipped ones."""
     groups: dict[str, list[str]] = {}
     reports = []
@@ -581,6 +583,12 @@ def _plan(graph: _Graph, selectors: list) -> tuple[list[_Plan], list[Permutation
         channels = int(getattr(layer, "units", None) or layer.filters)
         if not reason and channels % 4:
             reason = f"{channels} channels, not a multiple of 4"
+        if not reason and max_channels is not None and channels > max_channels:
+            reason = (
+                f"{channels} channels > max_channels={max_channels}: the search costs about "
+                "channels^2 x kernel rows (a 1024x1024 Dense: minutes); pass max_channels=None "
+                "to search anyway"
+            )
         if reason:
             skipped = tuple(consumers or selected)
             reports.append(PermutationReport(producer, skipped, channels, False, reason))
@@ -596,6 +604,7 @@ def permute(
     layers: Iterable | None = None,
     kicks: int | None = None,
     seed: int = 0,
+    max_channels: int | None = 512,
     progress: bool = True,
     print_fn: Callable[[str], None] | None = None,
 ) -> tuple:
@@ -613,7 +622,8 @@ def permute(
     Skipped, with a reason in the report: layers fed by the model input, channels that reach a
     residual add, concatenation, model output, shared layer (called twice, or also inside a nested
     model), keras op (`x * 2.0`, `x[:, :16]`) or any other layer not known to commute with a channel
-    permutation; quantized or LoRA-enabled layers; channel counts that are not a multiple of 4.
+    permutation; quantized or LoRA-enabled layers; channel counts that are not a multiple of 4 or
+    above `max_channels`.
 
     Args:
         model: a built Functional or Sequential keras.Model.
@@ -621,6 +631,10 @@ def permute(
             in `tf_sparse24.prune`; None = all).
         kicks: escape rounds per search (see `search_permutation`).
         seed: seed of the searches.
+        max_channels: skip groups wider than this (None: no limit). The search's first pass scores
+            every pair of 4-channel stripes over all kernel rows, about channels^2 x rows: on this
+            project's 2-core machine a 512x512 Dense took ~40-65 s, 1024x1024 ~4-6 min, and
+            VGG16's 4096-wide layers would take hours.
         progress: show a tqdm progress bar over the searches.
         print_fn: if given, called with a one-line summary per group.
 
@@ -645,7 +659,7 @@ def permute(
             "permute() reorders the channels of its top-level graph only."
         )
     _check_untied(model, "permute")
-    plans, reports = _plan(graph, selectors)
+    plans, reports = _plan(graph, selectors, max_channels)
     copy = keras.models.clone_model(model, clone_function=_copy_layer, recursive=True)
     bar = None
     if progress and plans:
