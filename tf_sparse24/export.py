@@ -21,9 +21,9 @@ Modes:
   (an instance attribute, removed again after the trace) by one that runs `Sparse24MatMul` then
   the layer's bias and activation. Every other compressed kernel (Conv, RNN kernels, other
   EinsumDense equations, a kernel also read outside its layer's call) is decompressed at load
-  with `Sparse24Decompress`. (Kernels of LoRA-enabled or quantized layers are not compressed.) Loading needs the op library (`import tf_sparse24`; TF
-  Serving: link `//cc:sparse24_ops`). The metadata records, per weight, `kernel`:
-  "sparse24_matmul" or "dense_at_load".
+  with `Sparse24Decompress` (kernels of LoRA-enabled or quantized layers are not compressed).
+  Loading needs the op library (`import tf_sparse24`; TF Serving: link `//cc:sparse24_ops`).
+  The metadata records, per weight, `kernel`: "sparse24_matmul" or "dense_at_load".
 
 Example:
     >>> tf_sparse24.export(pruned_model, "models/mnist/1")
