@@ -326,8 +326,8 @@ class Sparse24(keras.layers.Wrapper):
 
     @property
     def reset_state(self):
-        """The wrapped layer's `reset_state` (a stateful RNN's; AttributeError for a layer without
-        one), so a `hasattr(layer, "reset_state")` loop over a model reaches wrapped RNNs."""
+        """The wrapped layer's `reset_state` (an RNN's; AttributeError for a layer without one),
+        so a `hasattr(layer, "reset_state")` loop over a model reaches wrapped RNNs."""
         return self.layer.reset_state
 
     @property
