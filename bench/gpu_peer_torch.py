@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 # What torch raises for an unsupported shape, dtype, GPU or missing API.
-PEER_ERRORS = (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError)
+PEER_ERRORS = (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError, ImportError)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -3,7 +3,8 @@
 # its cuSPARSELt-vs-cuBLAS timings, then the PyTorch peer (bench/gpu_peer_torch.py) on the same
 # shapes, then (since the GPU machine's host CPU likely has the AVX-512 this project's development
 # machine lacks) scripts/cpu_isa_check.py: the CPU core test and a short single-thread bench of
-# every CPU kernel variant there (about a minute, at most 4), and prints all tables last. Needs an
+# every CPU kernel variant there (about a minute, at most 2). The GPU tables print before the
+# CPU check; every stage has a time limit (see the end). Needs an
 # NVIDIA GPU (sm_80+), nvcc, and the cuSPARSELt and cuBLAS libraries, found in the Python
 # environment's nvidia-* wheels (nvidia/*/lib), $CUDA_HOME/lib64 or the loader path; no
 # TensorFlow. Logs and CSV go to $OUT when it is set.
@@ -113,34 +114,40 @@ if [[ -z "${GPU_CHECK_BIN:-}" ]]; then
       -o "$HARNESS" -ldl -lpthread
 fi
 
-# Last, and bounded (the GPU tables are what the machine is lent for), but also when the GPU part
-# could not run: the CPU kernel variants on this host.
+# Each stage is bounded, so a hang cannot eat the machine's time and lose the tables: the GPU
+# summaries print as soon as the GPU stages end, then the CPU kernel variants on this host run
+# (also when the GPU part could not). Override the limits (seconds) with HARNESS_TIMEOUT,
+# PEER_TIMEOUT, CPU_TIMEOUT.
 cpu_check() {
-  timeout 240 "$PYTHON" scripts/cpu_isa_check.py --out "$LOG_DIR" 2>&1 |
+  timeout "${CPU_TIMEOUT:-120}" "$PYTHON" scripts/cpu_isa_check.py --out "$LOG_DIR" 2>&1 |
     tee "$LOG_DIR/cpu_isa_check.out"
   local cpu_rc=${PIPESTATUS[0]}
   [[ $cpu_rc == 0 ]] || echo "cpu_isa_check: FAILED or timed out (exit $cpu_rc)"
+  echo
+  echo "== summary: CPU kernel variants on this host (scripts/cpu_isa_check.py)"
+  grep -E '^(== cpu_isa_check|core_test|single-thread| +M x K|[ 0-9x]+ +[0-9.])' \
+      "$LOG_DIR/cpu_isa_check.out" 2>/dev/null || echo "(no CPU check log)"
 }
 
 set +e
-"$HARNESS" ${LT_LIB:+--cusparselt "$LT_LIB"} ${CUBLAS:+--cublas "$CUBLAS"} \
-    --out "$LOG_DIR" ${args[@]+"${args[@]}"}
+timeout "${HARNESS_TIMEOUT:-300}" "$HARNESS" ${LT_LIB:+--cusparselt "$LT_LIB"} \
+    ${CUBLAS:+--cublas "$CUBLAS"} --out "$LOG_DIR" ${args[@]+"${args[@]}"}
 rc=$?
+[[ $rc == 124 ]] && echo "gpu_check: harness TIMED OUT after ${HARNESS_TIMEOUT:-300} s (log so far: $LOG_DIR/gpu_check.log)"
 [[ $no_gpu_work == 1 ]] && exit $rc
 if [[ $rc == 2 || $rc == 3 ]]; then cpu_check; exit $rc; fi
-PYTHONUNBUFFERED=1 "$PYTHON" bench/gpu_peer_torch.py --out "$LOG_DIR" ${args[@]+"${args[@]}"}
+PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-120}" "$PYTHON" bench/gpu_peer_torch.py \
+    --out "$LOG_DIR" ${args[@]+"${args[@]}"}
 peer_rc=$?
-cpu_check
-set -e
+[[ $peer_rc == 124 ]] && echo "gpu_peer_torch: TIMED OUT after ${PEER_TIMEOUT:-120} s"
 
 echo
-echo "== summary: CPU kernel variants on this host (scripts/cpu_isa_check.py)"
-grep -E '^(== cpu_isa_check|core_test|single-thread| +M x K|[ 0-9x]+ +[0-9.])' \
-    "$LOG_DIR/cpu_isa_check.out" 2>/dev/null || echo "(no CPU check log)"
 echo "== summary: tf_sparse24 harness (cuSPARSELt 2:4 vs cuBLAS dense)"
 sed -n '/^== benchmark table/,/launch-bound/p' "$LOG_DIR/gpu_check.log"
 grep -E '^\s+\[FAIL\]|^gpu_check: ' "$LOG_DIR/gpu_check.log" | tail -n 20
 echo "== summary: PyTorch peer (torch semi-structured 2:4 vs dense F.linear)"
 sed -n '/^dtype /,$p' "$LOG_DIR/gpu_peer_torch.log" 2>/dev/null || echo "(no peer log)"
 echo "harness exit $rc, peer exit $peer_rc; logs in $LOG_DIR"
+cpu_check
+set -e
 exit $(( rc != 0 ? rc : peer_rc ))

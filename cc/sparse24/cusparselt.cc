@@ -25,8 +25,8 @@ Loaded load() {
   if (!lib) {
     out.error = std::string("cuSPARSELt (") + kSoname +
                 ") could not be loaded; the GPU 2:4 matmul needs it. Install it with "
-                "`pip install tf_sparse24[gpu]` (the nvidia-cusparselt-cu12 wheel), or point "
-                "TF_SPARSE24_CUSPARSELT at libcusparseLt.so.0. Tried:" + where;
+                "`pip install tf_sparse24[gpu]` (the nvidia-cusparselt-cu12 wheel; -cu13 with "
+                "CUDA 13), or point TF_SPARSE24_CUSPARSELT at libcusparseLt.so.0. Tried:" + where;
     return out;
   }
   Api& a = out.api;
@@ -50,7 +50,8 @@ Loaded load() {
   bind_symbol(lib, "cusparseLtSpMMACompress2", &a.SpMMACompress2, &missing);
   if (!missing.empty()) {
     out.error = std::string("the loaded cuSPARSELt lacks ") + missing +
-                "; tf_sparse24 needs cuSPARSELt >= 0.6 (pip install -U nvidia-cusparselt-cu12)";
+                "; tf_sparse24 needs cuSPARSELt >= 0.6 (pip install -U nvidia-cusparselt-cu12, or "
+                "-cu13 with CUDA 13)";
     return out;
   }
   out.ok = true;

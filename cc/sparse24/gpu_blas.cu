@@ -14,9 +14,8 @@ namespace gpu {
 namespace {
 
 using Handle = void*;
-// CUBLAS_DEFAULT_MATH (no TF32) | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION: split-K
-// partial sums stay float32 for 16-bit outputs too.
-constexpr int kMathMode = 16;
+constexpr int kDefaultMath = 0;  // CUBLAS_DEFAULT_MATH: no TF32
+constexpr int kDisallowReducedPrecisionReduction = 16;
 
 struct Cublas {
   int (*Create)(Handle*) = nullptr;
@@ -35,7 +34,7 @@ const Cublas& cublas() {
                                     {"libcublas.so.13", "libcublas.so.12", "libcublas.so"},
                                     {"cu13", "cublas", "cu12"}, &c->where);
     if (lib == nullptr) {
-      c->where = "cuBLAS could not be loaded (pip install nvidia-cublas-cu12, or point "
+      c->where = "cuBLAS could not be loaded (pip install nvidia-cublas-cu12 or -cu13, or point "
                  "TF_SPARSE24_CUBLAS at libcublas.so). Tried:" + c->where;
       return c;
     }
@@ -66,7 +65,7 @@ bool load_cublas(std::string* where) {
 }
 
 std::string dense_gemm(DType dtype, const void* x, const void* w, int64_t m, int64_t k, int64_t n,
-                       void* y, cudaStream_t stream) {
+                       void* y, cudaStream_t stream, bool exact_reduction) {
   const Cublas& c = cublas();
   if (!c.ok) return c.where;
   int device = 0;
@@ -86,7 +85,8 @@ std::string dense_gemm(DType dtype, const void* x, const void* w, int64_t m, int
   if (const int status = c.SetStream(handle, stream); status != 0) {
     return "cublasSetStream returned " + std::to_string(status);
   }
-  if (const int status = c.SetMathMode(handle, kMathMode); status != 0) {
+  const int mode = kDefaultMath | (exact_reduction ? kDisallowReducedPrecisionReduction : 0);
+  if (const int status = c.SetMathMode(handle, mode); status != 0) {
     return "cublasSetMathMode returned " + std::to_string(status);
   }
   // Column-major view: y^T [n, m] = w^T [n, k] (w row-major, ld n) @ x^T [k, m] (ld k).

@@ -21,9 +21,12 @@ bool load_cublas(std::string* where);
 
 // y [m, n] = x [m, k] @ w [k, n], all row-major, of `dtype`, float32 accumulation (exact float32
 // for float32: no TF32), on `stream`. One cuBLAS handle per device, created on first use.
+// exact_reduction: split-K partial sums stay float32 for 16-bit outputs too
+// (CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION: the op's fallback); false is cuBLAS' default,
+// which TensorFlow and PyTorch run (gpu_check's timed dense baseline).
 // Returns "" or an error naming the call and its status.
 std::string dense_gemm(DType dtype, const void* x, const void* w, int64_t m, int64_t k, int64_t n,
-                       void* y, cudaStream_t stream);
+                       void* y, cudaStream_t stream, bool exact_reduction = true);
 
 }  // namespace gpu
 }  // namespace sparse24

@@ -70,11 +70,6 @@ void out(const char* fmt, ...) {
                                       " at line " + std::to_string(__LINE__));               \
   } while (0)
 #define LAUNCH_OK() CUDA_OK(cudaGetLastError())
-#define LT_OK(expr)                                                                          \
-  do {                                                                                       \
-    std::string _m = (expr);                                                                 \
-    if (!_m.empty()) die(1, _m + " at line " + std::to_string(__LINE__));                    \
-  } while (0)
 
 int g_failures = 0;
 void verdict(bool ok, const std::string& what) {
@@ -327,8 +322,11 @@ struct LtRunner {
 };
 
 // y [m, N] = x[:m] @ W with cuBLAS (the op's dense path, gpu_blas.h).
-void cublas_run(const Problem& p, int64_t m, const void* w, const void* x, void* y) {
-  const std::string error = gpu::dense_gemm(p.t, x, w, m, p.K, p.N, y, 0);
+// exact_reduction: as the op's fallback runs it (checks); false: cuBLAS' default math, what
+// TensorFlow and PyTorch run (the timed baseline).
+void cublas_run(const Problem& p, int64_t m, const void* w, const void* x, void* y,
+                bool exact_reduction = true) {
+  const std::string error = gpu::dense_gemm(p.t, x, w, m, p.K, p.N, y, 0, exact_reduction);
   if (!error.empty()) die(1, error);
 }
 
@@ -466,7 +464,9 @@ void check_matmul(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N)
   LAUNCH_OK();
   CUDA_OK(cudaMemcpy(xp.p, p.x.p, p.x.bytes, cudaMemcpyDeviceToDevice));
   yp.poison();
-  LT_OK(lt.plan.run(lt.compressed.p, xp.p, yp.p, lt.workspace.p, 0));
+  if (const std::string e = lt.plan.run(lt.compressed.p, xp.p, yp.p, lt.workspace.p, 0); !e.empty()) {
+    return verdict(false, "cuSPARSELt matmul failed, " + shape + ": " + e);
+  }
   CUDA_OK(cudaDeviceSynchronize());
   CUDA_OK(cudaMemcpy(y.p, yp.p, y.bytes, cudaMemcpyDeviceToDevice));
   c = check_product(p, y, M, rows);
@@ -815,8 +815,9 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
   }
   CUDA_OK(cudaDeviceSynchronize());
   Row row{dname(t), M, K, N, 0, NAN, NAN, NAN, NAN, -1, copies};
-  row.dense_ms = time_ms([&](int i) { cublas_run(ps[i], M, ps[i].w.p, ps[i].x.p, ys[i].p); },
-                         copies, warmup, reps);
+  row.dense_ms = time_ms(
+      [&](int i) { cublas_run(ps[i], M, ps[i].w.p, ps[i].x.p, ys[i].p, /*exact_reduction=*/false); },
+      copies, warmup, reps);
   const std::string shape =
       fmt("bench shape %s M=%ld K=%ld N=%ld: ", dname(t), (long)M, (long)K, (long)N);
   for (auto& lt : lts) {
@@ -825,8 +826,17 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
     return row;
   }
   LtRunner& lt0 = *lts[0];  // its plan and workspace serve every copy
+  // A failing cusparseLtMatmul ends this row (a failed check), not the whole run.
+  std::string lt_error;
   auto lt_launch = [&](int i) {
-    LT_OK(lt0.plan.run(lts[i]->compressed.p, ps[i].x.p, ys[i].p, lt0.workspace.p, 0));
+    if (!lt_error.empty()) return;
+    lt_error = lt0.plan.run(lts[i]->compressed.p, ps[i].x.p, ys[i].p, lt0.workspace.p, 0);
+  };
+  auto lt_failed = [&] {
+    if (lt_error.empty()) return false;
+    verdict(false, shape + "cuSPARSELt matmul failed: " + lt_error);
+    row.lt_ms = row.op_ms = row.lt_search_ms = NAN;
+    return true;
   };
   // Correctness of this very shape: copy 0's cuSPARSELt output, poisoned first, against float64.
   auto check_copy0 = [&] {
@@ -836,11 +846,13 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
     return check_product(ps[0], ys[0], M, check_rows);
   };
   Check c = check_copy0();
+  if (lt_failed()) return row;
   row.err = c.bad_outputs ? INFINITY : c.rel_err;
   verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
           shape + fmt("cuSPARSELt rel err %.2e on %d rows, unwritten %ld", c.rel_err, check_rows,
                       (long)c.bad_outputs));
   row.lt_ms = time_ms(lt_launch, copies, warmup, reps);
+  if (lt_failed()) return row;
   // The TensorFlow op's device work per call on a cached, unchanged weight (docs/GPU.md): this
   // call's fingerprint of values+meta, the default-config matmul, then the repair kernel, which
   // finds the fingerprint unchanged and leaves y alone. Not in it: the copies padding x and
@@ -870,6 +882,7 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
           shape + fmt("op path (fingerprint, matmul, repair skipped) rel err %.2e, unwritten %ld",
                       c.rel_err, (long)c.bad_outputs));
   row.op_ms = time_ms(op_launch, copies, warmup, reps);
+  if (lt_failed()) return row;
   // cusparseLtMatmulSearch once, on copy 0; the chosen configuration is reported.
   const std::string error = lt0.plan.search(lt0.compressed.p, ps[0].x.p, ys[0].p, lt0.workspace.p,
                                             0, &row.config);
@@ -880,10 +893,12 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
   lt0.workspace = Buf(lt0.plan.workspace_bytes());
   // The searched configuration must compute the same product.
   c = check_copy0();
+  if (lt_failed()) return row;
   verdict(c.bad_outputs == 0 && c.rel_err < tolerance(t),
           shape + fmt("searched config %d rel err %.2e, unwritten %ld", row.config, c.rel_err,
                       (long)c.bad_outputs));
   row.lt_search_ms = time_ms(lt_launch, copies, warmup, reps);
+  if (lt_failed()) return row;
   return row;
 }
 

@@ -170,25 +170,33 @@ __device__ __forceinline__ uint64_t mix64(uint64_t z) {  // splitmix64 finalizer
   return z ^ (z >> 31);
 }
 
-// Sum over words of mix(word, key): order-independent, so any grid and the atomics give the same
-// sum. Keys are 4 * position + salt (salt 1..3), so two buffers with different salts never share
-// a key. Each block adds its total with one atomic: per-warp atomics on one address would cost
-// more than the pass itself on a large weight.
+// Sum over 8-byte words of mix(word ^ key): order-independent, so any grid and the atomics give
+// the same sum. Keys are (4 * position + salt) times an odd constant (salt 1..3), so two buffers
+// with different salts never share a key and structured data cannot cancel a key's bits. Loads
+// are 16 bytes and each word costs three 64-bit multiplies, so the pass runs at memory speed (it
+// runs on every call of the op on a cached weight). Each block adds its total with one atomic:
+// per-warp atomics on one address would cost more than the pass itself on a large weight.
 constexpr int kFingerprintMaxBlocks = 1024;  // about one wave of 256-thread blocks on an H100/H200
+
+__device__ __forceinline__ uint64_t fingerprint_term(uint64_t word, uint64_t position,
+                                                     uint64_t salt) {
+  return mix64(word ^ ((4 * position + salt) * 0x9e3779b97f4a7c15ull));
+}
 
 __global__ void fingerprint_kernel(const uint8_t* __restrict__ data, int64_t bytes, bool aligned,
                                    uint64_t salt, unsigned long long* out) {
-  const int64_t words = aligned ? bytes / 4 : bytes;
+  const int64_t chunks = aligned ? bytes / 16 : 0;  // 16-byte loads when data is 16-aligned
   uint64_t sum = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < words;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const uint32_t word = aligned ? reinterpret_cast<const uint32_t*>(data)[i] : data[i];
-    sum += mix64(word ^ mix64(4 * static_cast<uint64_t>(i) + salt));
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < chunks; i += stride) {
+    const ulonglong2 v = reinterpret_cast<const ulonglong2*>(data)[i];
+    sum += fingerprint_term(v.x, 2 * i, salt) + fingerprint_term(v.y, 2 * i + 1, salt);
   }
-  if (aligned && blockIdx.x == 0 && threadIdx.x == 0) {  // the last bytes % 4 bytes
-    for (int64_t j = words * 4; j < bytes; ++j) {
-      sum += mix64(data[j] ^ mix64(~(4 * static_cast<uint64_t>(j) + salt)));
-    }
+  // Bytes after the last whole chunk (all of them when unaligned), one key per byte position
+  // (positions above any word's, so never a word's key).
+  for (int64_t j = chunks * 16 + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < bytes;
+       j += stride) {
+    sum += fingerprint_term(data[j], bytes / 8 + 1 + j, salt);
   }
   for (int off = 16; off > 0; off /= 2) sum += __shfl_down_sync(0xffffffffu, sum, off);
   __shared__ uint64_t warp_sums[kThreads / 32];
@@ -205,8 +213,8 @@ __global__ void fingerprint_kernel(const uint8_t* __restrict__ data, int64_t byt
 void fingerprint_add(const void* data, int64_t bytes, uint64_t salt, unsigned long long* out,
                      cudaStream_t stream) {
   if (bytes == 0) return;
-  const bool aligned = reinterpret_cast<uintptr_t>(data) % 4 == 0;
-  const int grid = std::min(kFingerprintMaxBlocks, blocks_for(aligned ? bytes / 4 : bytes));
+  const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;
+  const int grid = std::min(kFingerprintMaxBlocks, blocks_for(aligned ? bytes / 16 + 1 : bytes));
   fingerprint_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint8_t*>(data), bytes,
                                                    aligned, salt, out);
 }

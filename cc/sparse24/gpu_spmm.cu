@@ -66,11 +66,13 @@ LtContext* LtContext::get(std::string* error) {
              " (cuSPARSELt needs compute capability 8.0 or newer)";
     return nullptr;
   }
-  // major * 1000 + minor * 100 + patch. Before 0.6 the compute-type enum differed (value 2, our
-  // CUSPARSE_COMPUTE_32F, meant TF32), so an older library is refused rather than misread.
+  // major * 1000 + minor * 100 + patch. Older releases numbered the compute types differently
+  // (PyTorch's cuSPARSELt glue dates the change to 0.5.2: value 2, our CUSPARSE_COMPUTE_32F,
+  // meant TF32 before), so anything before 0.6, the oldest API checked here, is refused.
   if (api->GetVersion(&ctx->handle_, &ctx->version_) != lt::kSuccess || ctx->version_ < 600) {
     *error = "cuSPARSELt version code " + std::to_string(ctx->version_) +
-             " found; tf_sparse24 needs 0.6 (600) or newer (pip install 'nvidia-cusparselt-cu12>=0.6')";
+             " found; tf_sparse24 needs 0.6 (600) or newer (pip install -U "
+             "nvidia-cusparselt-cu12, or -cu13 with CUDA 13)";
     api->Destroy(&ctx->handle_);
     return nullptr;
   }
