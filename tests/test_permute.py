@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from tf_sparse24.permute import (
+    _native_top2_group_sums,
     _partitions,
+    _top2_sum,
+    _top2_sum_numpy,
     kept_magnitude,
     permutation_efficacy,
     permute,
@@ -114,6 +117,41 @@ def test_search_rejects_bad_input():
         search_permutation(w)
     with pytest.raises(ValueError, match="out of range"):
         search_permutation(np.ones((8, 4)), axis=2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 2049, 4100])  # around the 8 lanes and 2048-row blocks
+def test_native_group_scores_match_float64_reference(rows):
+    assert _native_top2_group_sums() is not None  # the op library is built in this suite
+    rng = np.random.default_rng(rows)
+    at = np.abs(rng.standard_cauchy(size=(40, rows))).astype(np.float32)  # wide range of values
+    groups = rng.integers(0, 40, size=(3, 37, 4))  # any leading shape; repeats allowed
+    expected = np.array([
+        np.sort(at[g].astype(np.float64), axis=0)[2:].sum() for g in groups.reshape(-1, 4)
+    ]).reshape(3, 37)
+    np.testing.assert_allclose(_top2_sum(at, groups), expected, rtol=2e-6)
+    np.testing.assert_allclose(_top2_sum_numpy(at, groups.reshape(-1, 4)).reshape(3, 37), expected,
+                               rtol=1e-9)
+
+
+def test_search_in_blocks_keeps_groups_inside_blocks_and_never_loses():
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(96, 20)) * rng.lognormal(0, 1, size=(96, 1))  # Dense [in, out]
+    plain = _kept_reference(w.T, np.arange(96))
+    blocked = search_permutation(w, kicks=2, block_channels=32, seed=3)
+    np.testing.assert_array_equal(blocked, search_permutation(w, kicks=2, block_channels=32, seed=3))
+    assert sorted(blocked.tolist()) == list(range(96))
+    assert _kept_reference(w.T, blocked) > plain
+    # Every group of the blocked order holds channels of one block: 3 blocks of 8 original groups
+    # each, so the new groups' original group positions fall into 3 disjoint sets of 8.
+    members = [set((blocked[g : g + 4] // 4).tolist()) for g in range(0, 96, 4)]
+    blocks = []
+    for m in members:
+        hit = [b for b in blocks if b & m]
+        merged = set(m).union(*hit)
+        blocks = [b for b in blocks if not b & m] + [merged]
+    assert all(len(b) <= 8 for b in blocks)
+    with pytest.raises(ValueError, match="block_channels must be at least 8"):
+        search_permutation(w, block_channels=4)
 
 
 def _randomize(model, seed=0):
@@ -315,6 +353,20 @@ def test_permute_skips_groups_wider_than_max_channels():
     assert not by_producer["d1"].permuted
     assert "32 channels > max_channels=16" in by_producer["d1"].reason
     assert by_producer["d0"].permuted and by_producer["d2"].permuted
+
+
+def test_permute_searches_wide_groups_in_blocks():
+    model = _chain()  # d1 produces 32 channels for d2
+    _randomize(model, seed=12)
+    permuted, reports = permute(model, kicks=1, block_channels=8, progress=False)
+    _assert_same_function(model, permuted, _x(8, 16))
+    d1 = next(r for r in reports if r.producer == "d1")
+    assert d1.permuted and d1.kept_after > d1.kept_before
+    rows = model.get_layer("d2").kernel.numpy().T
+    perm = search_permutation(rows, axis=1, kicks=1, block_channels=8)
+    assert d1.kept_after == pytest.approx(kept_magnitude(rows, perm))  # the blocked search's
+    assert d1.kept_after != pytest.approx(
+        kept_magnitude(rows, search_permutation(rows, axis=1, kicks=1, block_channels=None)))
 
 
 def test_permute_skips_channels_through_keras_ops():

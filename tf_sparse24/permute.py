@@ -5,10 +5,11 @@ matters: reordering a layer's input channels (and, to keep the network's functio
 output channels of the layer that produces them) lets large weights avoid competing with each other.
 
 Two parts:
-- `search_permutation(weight, axis)`: pure numpy search for a channel order. An exact local
-  search re-partitions two or three 4-channel stripes at a time (apex ASP's "optimize stripe
-  groups" neighbourhood) until no gain is left, then escapes local optima by shuffling a few
-  stripes of the best order and searching again ("kicks"), keeping only improvements.
+- `search_permutation(weight, axis)`: numpy search for a channel order (group scores in C++). An
+  exact local search re-partitions two or three 4-channel stripes at a time (apex ASP's "optimize
+  stripe groups" neighbourhood) until no gain is left, then escapes local optima by shuffling a
+  few stripes of the best order and searching again ("kicks"), keeping only improvements. Wide
+  layers are searched in random blocks of channels, so the cost stays linear in their width.
 - `permute(model)`: applies searches to a Keras Functional/Sequential model, permuting each
   eligible layer's input channels together with its producer's output channels (kernel columns,
   bias, BatchNormalization parameters in between), and reports per-layer gains and skip reasons.
@@ -23,10 +24,12 @@ orientation.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -91,13 +94,45 @@ def _top2_sum(at: np.ndarray, groups: np.ndarray) -> np.ndarray:
     """Kept magnitude (sum over rows of the top 2 of 4) of every 4-channel group.
 
     Args:
-        at: `[channels, rows]` float32 magnitudes (channel-major, so a gather reads whole rows).
+        at: `[channels, rows]` float32 magnitudes (channel-major, so a group reads whole rows).
         groups: int array `[..., 4]` of channel indices.
+
+    Runs the op library's C++ loop (`cc/sparse24/group_scores.cc`, 20-50x faster) when the
+    library is usable, numpy otherwise.
     """
-    flat = groups.reshape(-1, 4)
+    flat = np.ascontiguousarray(groups.reshape(-1, 4), dtype=np.int64)
+    native = _native_top2_group_sums()
+    if native is None:
+        return _top2_sum_numpy(at, flat).reshape(groups.shape[:-1])
+    at = np.ascontiguousarray(at, dtype=np.float32)
     out = np.empty(len(flat), dtype=np.float64)
-    for start in range(0, len(flat), 1024):  # chunks small enough to stay in cache
-        g = flat[start : start + 1024]
+    native(at.ctypes.data, at.shape[1], flat.ctypes.data, len(flat), out.ctypes.data,
+           os.cpu_count() or 1)
+    return out.reshape(groups.shape[:-1])
+
+
+@functools.cache
+def _native_top2_group_sums() -> Callable | None:
+    """The op library's `tf_sparse24_top2_group_sums`, or None without a usable library."""
+    from tf_sparse24 import ops
+
+    try:
+        return ops._c_function(
+            "tf_sparse24_top2_group_sums",
+            None,
+            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+             ctypes.c_int],
+        )
+    except (ops.OpLibraryError, AttributeError):  # AttributeError: a library built before it
+        return None
+
+
+def _top2_sum_numpy(at: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """`_top2_sum` of `groups` `[count, 4]` in numpy (the fallback, and the tests' reference)."""
+    out = np.empty(len(groups), dtype=np.float64)
+    chunk = max(16, 65536 // max(1, at.shape[1]))  # four [chunk, rows] gathers stay in L2
+    for start in range(0, len(groups), chunk):
+        g = groups[start : start + chunk]
         x0, x1, x2, x3 = at[g[:, 0]], at[g[:, 1]], at[g[:, 2]], at[g[:, 3]]
         hi01, lo01 = np.maximum(x0, x1), np.minimum(x0, x1)
         hi23, lo23 = np.maximum(x2, x3), np.minimum(x2, x3)
@@ -105,7 +140,7 @@ def _top2_sum(at: np.ndarray, groups: np.ndarray) -> np.ndarray:
         out[start : start + len(g)] = np.maximum(hi01, hi23).sum(-1, dtype=np.float64) + second.sum(
             -1, dtype=np.float64
         )
-    return out.reshape(groups.shape[:-1])
+    return out
 
 
 @functools.cache
@@ -279,6 +314,7 @@ def search_permutation(
     kicks: int | None = None,
     seed: int = 0,
     progress: bool = False,
+    block_channels: int | None = 512,
 ) -> np.ndarray:
     """Finds an order of `weight`'s channels along `axis` that keeps more magnitude under 2:4.
 
@@ -286,10 +322,17 @@ def search_permutation(
         weight: a kernel in Keras layout; `axis` is its grouping (input-channel) axis, e.g. 0 for a
             Dense kernel `[in, out]`, 2 for a Conv2D kernel `[h, w, in, out]`.
         axis: the channel axis (groups of 4 consecutive channels along it).
-        kicks: escape rounds after the first local search (None = `default_kicks(channels)`;
-            0 = plain local search, close to ASP's "optimize_stripe_groups" strategy).
-        seed: seed of the kicks' random generator (the result is deterministic given it).
+        kicks: escape rounds after the first local search of each block (None =
+            `default_kicks(block size)`; 0 = plain local search, close to ASP's
+            "optimize_stripe_groups" strategy).
+        seed: seed of the kicks' and blocks' random generator (the result is deterministic given
+            it).
         progress: show a tqdm progress bar over the kicks.
+        block_channels: wider weights are searched in random blocks of about this many channels
+            (whole groups of 4), each on its own: one search costs about channels^2 x rows,
+            blocks make it linear in channels for a little less gain (docs/ACCURACY.md: 2048
+            channels x 1024 rows, 88 s and 16.3% efficacy in one search, 30 s and 15.1% in
+            blocks). None: one search over all.
 
     Returns:
         `perm` (int64 `[channels]`) such that `np.take(weight, perm, axis)` keeps at least as much
@@ -297,7 +340,8 @@ def search_permutation(
         gains).
 
     Raises:
-        ValueError: if `weight.shape[axis]` is not a multiple of 4 or the weight has NaN/Inf.
+        ValueError: if `weight.shape[axis]` is not a multiple of 4, the weight has NaN/Inf, or
+            `block_channels` < 8.
 
     Example:
         >>> w = np.random.default_rng(0).normal(size=(64, 32))
@@ -317,21 +361,43 @@ def search_permutation(
     if not np.all(np.isfinite(w)):
         raise ValueError(f"Weight with shape {w.shape} contains NaN/Inf; cannot search a permutation.")
     at = np.ascontiguousarray(np.abs(channel_matrix(w, axis)).T, dtype=np.float32)
-    search = _Search(at, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
     if channels <= 4:
-        return search.perm
-    kicks = default_kicks(channels) if kicks is None else kicks
+        return np.arange(channels)
+    if block_channels is not None and block_channels < 8:
+        raise ValueError(f"block_channels must be at least 8 (two groups). Received: {block_channels}")
+    blocks = _blocks(channels, block_channels, rng)
+    per_block = default_kicks(len(blocks[0])) if kicks is None else kicks
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=kicks, desc=f"permutation search ({channels} channels)", unit="kick", leave=False)
+        bar = tqdm(total=per_block * len(blocks), desc=f"permutation search ({channels} channels)",
+                   unit="kick", leave=False)
+    perm = np.arange(channels)
     try:
-        search.iterate(kicks, bar=bar)
+        for block in blocks:
+            search = _Search(at[block], rng)
+            search.iterate(per_block, bar=bar)
+            perm[block] = block[search.perm]
     finally:
         if bar is not None:
             bar.close()
-    return search.perm
+    return perm
+
+
+def _blocks(channels: int, block_channels: int | None, rng: np.random.Generator) -> list[np.ndarray]:
+    """Channel positions searched together: all of them, or random blocks of whole 4-channel groups.
+
+    Blocks are random so that a block mixes channels from everywhere in the layer; the search
+    inside one re-partitions its channels among its own group positions, so blocks never interact.
+    """
+    if block_channels is None or channels <= block_channels:
+        return [np.arange(channels)]
+    groups = rng.permutation(channels // 4)
+    count = math.ceil(channels / block_channels)  # near-equal blocks, none of a lone group
+    return [np.sort(np.concatenate([4 * chunk + offset for offset in range(4)]))
+            for chunk in np.array_split(groups, count)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -584,11 +650,7 @@ def _plan(
         if not reason and channels % 4:
             reason = f"{channels} channels, not a multiple of 4"
         if not reason and max_channels is not None and channels > max_channels:
-            reason = (
-                f"{channels} channels > max_channels={max_channels}: the search costs about "
-                "channels^2 x kernel rows (a 1024x1024 Dense: minutes); pass max_channels=None "
-                "to search anyway"
-            )
+            reason = f"{channels} channels > max_channels={max_channels}"
         if reason:
             skipped = tuple(consumers or selected)
             reports.append(PermutationReport(producer, skipped, channels, False, reason))
@@ -604,7 +666,8 @@ def permute(
     layers: Iterable | None = None,
     kicks: int | None = None,
     seed: int = 0,
-    max_channels: int | None = 512,
+    block_channels: int | None = 512,
+    max_channels: int | None = None,
     progress: bool = True,
     print_fn: Callable[[str], None] | None = None,
 ) -> tuple:
@@ -631,10 +694,10 @@ def permute(
             in `tf_sparse24.prune`; None = all).
         kicks: escape rounds per search (see `search_permutation`).
         seed: seed of the searches.
-        max_channels: skip groups wider than this (None: no limit). The search's first pass scores
-            every pair of 4-channel stripes over all kernel rows, about channels^2 x rows: on this
-            project's 2-core machine a 512x512 Dense took ~40-65 s, 1024x1024 ~4-6 min, and
-            VGG16's 4096-wide layers would take hours.
+        block_channels: wider groups are searched in random blocks of about this many channels
+            (see `search_permutation`): the cost grows linearly with the channels instead of as
+            their square. None: one search per group, however wide.
+        max_channels: skip groups wider than this (None: no limit).
         progress: show a tqdm progress bar over the searches.
         print_fn: if given, called with a one-line summary per group.
 
@@ -667,7 +730,8 @@ def permute(
 
         bar = tqdm(plans, desc="channel permutations", unit="layer", leave=False)
     for plan in bar if bar is not None else plans:
-        perm = search_permutation(plan.rows, axis=1, kicks=kicks, seed=seed)
+        perm = search_permutation(plan.rows, axis=1, kicks=kicks, seed=seed,
+                                  block_channels=block_channels)
         _apply(copy.get_layer(plan.producer), [copy.get_layer(t) for t in plan.through],
                [copy.get_layer(c) for c in plan.consumers], perm)
         reports.append(PermutationReport(

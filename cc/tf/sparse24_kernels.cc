@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "cc/sparse24/cpu_features.h"
 #include "cc/sparse24/format.h"
+#include "cc/sparse24/group_scores.h"
 #include "cc/sparse24/spmm.h"
 #include "cc/tf/sparse24_kernel_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -176,6 +177,12 @@ int tf_sparse24_cpu_isa_supported(const char* name) {
   sparse24::Isa isa;
   if (!sparse24::parse_isa(name, &isa)) return -1;
   return sparse24::isa_supported(isa) ? 1 : 0;
+}
+
+// For tf_sparse24/permute.py (ctypes): see sparse24::top2_group_sums.
+void tf_sparse24_top2_group_sums(const float* magnitudes, int64_t rows, const int64_t* groups,
+                                 int64_t count, double* out, int threads) {
+  sparse24::top2_group_sums(magnitudes, rows, groups, count, out, threads);
 }
 
 }  // extern "C"
