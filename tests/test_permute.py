@@ -223,7 +223,9 @@ def test_permute_conv_bn_chain_with_residual_add_and_siblings():
 
     np.testing.assert_allclose(_outputs(permuted, x), _outputs(model, x), rtol=1e-4, atol=1e-4)
     by_producer = {r.producer: r for r in reports}
-    assert not by_producer["c1"].permuted and "'add' (Add)" in by_producer["c1"].reason
+    assert by_producer["c1"].reason == (
+        "channels reach 'add' (Add), which combines several inputs (a residual add, "
+        "concatenation or product)")
     group = by_producer["c3"]
     assert group.permuted and set(group.consumers) == {"c4", "c5"} and group.channels == 12
     after = sum(_kept_in_layer(permuted.get_layer(n)) for n in ("c4", "c5"))
@@ -231,6 +233,43 @@ def test_permute_conv_bn_chain_with_residual_add_and_siblings():
     assert group.kept_after == pytest.approx(after) and after >= before
     head = {r.consumers: r for r in reports}[("head",)]
     assert not head.permuted and "(Concatenate)" in head.reason
+
+
+def test_permute_through_depthwise_convs_and_from_separable_convs():
+    # MobileNet's inverted residual (expand -> depthwise -> project) and a SeparableConv producer.
+    inputs = keras.Input((8, 8, 4))
+    x = keras.layers.Conv2D(16, 1, name="expand")(inputs)
+    x = keras.layers.BatchNormalization(name="bn1")(x)
+    x = keras.layers.ReLU(6.0)(x)
+    x = keras.layers.DepthwiseConv2D(3, padding="same", name="dw")(x)
+    x = keras.layers.BatchNormalization(name="bn2")(x)
+    x = keras.layers.ReLU(6.0)(x)
+    x = keras.layers.Conv2D(12, 1, name="project")(x)
+    x = keras.layers.SeparableConv2D(16, 3, depth_multiplier=2, name="sep")(x)
+    x = keras.layers.DepthwiseConv2D(3, depth_multiplier=2, name="dw2")(x)  # interleaves: skipped
+    x = keras.layers.Conv2D(8, 1, name="after_dw2")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    y = keras.layers.Reshape((4, 4, 4))(keras.layers.Dense(64, name="d")(inputs[:, 0, 0, :]))
+    y = keras.layers.SeparableConv1D(8, 2, name="sep1d")(keras.layers.Reshape((16, 4))(y))
+    y = keras.layers.DepthwiseConv1D(3, name="dw1d")(keras.layers.ReLU()(y))
+    y = keras.layers.GlobalAveragePooling1D()(y)
+    outputs = keras.layers.Concatenate()([
+        keras.layers.Dense(4, name="head")(x), keras.layers.Dense(4, name="head1d")(y)])
+    model = keras.Model(inputs, outputs)
+    _randomize(model, seed=21)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(4, 8, 8, 4))
+    by_consumer = {r.consumers: r for r in reports}
+    project = by_consumer[("project",)]
+    assert project.permuted and project.producer == "expand" and project.channels == 16
+    assert project.kept_after > project.kept_before
+    assert not np.array_equal(permuted.get_layer("dw").get_weights()[0],
+                              model.get_layer("dw").get_weights()[0])
+    assert "'dw2' (DepthwiseConv2D), which cannot be permuted" in by_consumer[("after_dw2",)].reason
+    head1d = by_consumer[("head1d",)]
+    assert head1d.permuted and head1d.producer == "sep1d"
 
 
 def test_permute_sequential_and_errors():
@@ -290,7 +329,7 @@ def test_permute_sequential_with_a_reused_activation_skips_its_consumers():
     by_consumer = {r.consumers: r for r in reports}
     for name in ("d1", "d2"):
         r = by_consumer[(name,)]
-        assert not r.permuted and "'relu' (ReLU), which is shared" in r.reason
+        assert not r.permuted and "'relu' (ReLU), which is shared (called 2 times)" in r.reason
     assert by_consumer[("d3",)].permuted and by_consumer[("d3",)].producer == "d2"
 
 
@@ -305,8 +344,8 @@ def test_permute_sequential_with_a_layer_used_twice_skips_it():
     _assert_same_function(model, permuted, _x(8, 16))
     assert not any(r.permuted for r in reports)
     reasons = {r.consumers: r.reason for r in reports}
-    assert reasons[("a",)] == "'a' is shared or has several inputs"
-    assert reasons[("b", "c")] == "'a' (Dense) is shared"
+    assert reasons[("a",)] == "'a' (Dense) is shared (called 2 times)"
+    assert reasons[("b", "c")] == "'a' (Dense) is shared (called 2 times)"
 
 
 def _chain(widths=(16, 32, 16, 4), names=("d0", "d1", "d2", "d3")):
@@ -447,8 +486,8 @@ def test_permute_skips_a_layer_shared_with_a_nested_model():
 
     _assert_same_function(model, permuted, _x(8, 8))
     reasons = {r.consumers: r.reason for r in reports if not r.permuted}
-    assert reasons[("s",)] == "'s' is shared or has several inputs"
-    assert reasons[("d1",)] == "'s' (Dense) is shared"
+    assert reasons[("s",)] == "'s' (Dense) is shared (also used inside a nested model)"
+    assert reasons[("d1",)] == "'s' (Dense) is shared (also used inside a nested model)"
     assert "'inner' (Functional), which cannot be permuted" in reasons[("d2",)]
     assert [(r.producer, r.consumers) for r in reports if r.permuted] == [("d2", ("d3",))]
 

@@ -415,6 +415,9 @@ _PASS_THROUGH = {
     "UpSampling2D", "UpSampling3D",
 }  # fmt: skip
 _PER_CHANNEL = {"BatchNormalization", "LayerNormalization"}  # 1-D [C] weights, permuted too
+# Per-channel spatial filters (depth_multiplier 1): kernel [..., C, 1] and bias [C], permuted too.
+_DEPTHWISE = {"DepthwiseConv1D", "DepthwiseConv2D"}
+_SEPARABLE = {"SeparableConv1D", "SeparableConv2D"}  # producers only: pointwise_kernel [..., out]
 _KERNEL_LAYERS = {"Dense", "Conv1D", "Conv2D", "Conv3D"}  # producers and consumers
 _MODEL_INPUT = "<model input>"  # source of a Sequential model's first layer
 
@@ -522,10 +525,17 @@ def _describe(op) -> str:
     return f"{op.name!r} ({kind if isinstance(op, keras.layers.Layer) else 'keras op ' + kind})"
 
 
-def _shared(graph: _Graph, name: str) -> bool:
-    """Whether `name` is called more than once, on several inputs, or inside another layer."""
+def _shared(graph: _Graph, name: str) -> str:
+    """Why `name`'s channels cannot be followed through it alone ('' when they can): it is called
+    more than once, combines several inputs, or is also used inside another layer."""
     nodes = graph.inputs.get(name, [])
-    return len(nodes) != 1 or len(nodes[0]) != 1 or name in graph.hidden
+    if len(nodes) > 1:
+        return f"is shared (called {len(nodes)} times)"
+    if name in graph.hidden:
+        return "is shared (also used inside a nested model)"
+    if len(nodes) == 1 and len(nodes[0]) != 1:
+        return "combines several inputs (a residual add, concatenation or product)"
+    return ""
 
 
 def _kernel_axis(layer) -> int | None:
@@ -539,6 +549,16 @@ def _kernel_axis(layer) -> int | None:
     return layer.kernel.ndim - 2
 
 
+def _output_kernel(layer):
+    """The kernel whose last axis is `layer`'s output channels, if permute() can reorder them."""
+    if _kernel_axis(layer) is not None:
+        return layer.kernel
+    if (type(layer).__name__ in _SEPARABLE and layer.built
+            and layer.data_format == "channels_last"):
+        return layer.pointwise_kernel
+    return None
+
+
 def _passes(layer) -> bool:
     """Whether an unshared `layer` commutes with a permutation of its input's last axis."""
     kind = type(layer).__name__
@@ -546,6 +566,8 @@ def _passes(layer) -> bool:
         return False
     if getattr(layer, "data_format", "channels_last") != "channels_last":
         return False
+    if kind in _DEPTHWISE:  # one filter per channel; a multiplier > 1 interleaves outputs
+        return layer.depth_multiplier == 1
     if kind in (*_PER_CHANNEL, "Softmax"):  # normalizes over an axis: the channel axis only
         axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
         return list(axis) in ([-1], [len(layer.input.shape) - 1])
@@ -564,8 +586,8 @@ def _frozen(layer: keras.layers.Layer) -> str:
 
 def _group(graph: _Graph, producer: str) -> tuple[list[str], list[str], str]:
     """Layers between `producer` and its consumers: `(pass_through, consumers, skip_reason)`."""
-    if _shared(graph, producer):
-        return [], [], f"{_describe(graph.ops[producer])} is shared"
+    if why := _shared(graph, producer):
+        return [], [], f"{_describe(graph.ops[producer])} {why}"
     through, consumers, frontier = [], [], [producer]
     while frontier:
         name = frontier.pop()
@@ -573,8 +595,8 @@ def _group(graph: _Graph, producer: str) -> tuple[list[str], list[str], str]:
             return [], [], f"{name!r} is a model output"
         for user in graph.consumers.get(name, []):
             op = graph.ops[user]
-            if _shared(graph, user):
-                return [], [], f"{_describe(op)} is shared or has several inputs"
+            if why := _shared(graph, user):
+                return [], [], f"channels reach {_describe(op)}, which {why}"
             if _kernel_axis(op) is not None:
                 consumers.append(user)
             elif _passes(op):
@@ -592,19 +614,18 @@ def _group(graph: _Graph, producer: str) -> tuple[list[str], list[str], str]:
 
 def _producer_of(graph: _Graph, name: str) -> tuple[str | None, str]:
     """Walks back from consumer `name` through pass-through layers to the producing layer."""
-    if _shared(graph, name):
-        return None, f"{name!r} is shared or has several inputs"
+    if why := _shared(graph, name):
+        return None, f"{_describe(graph.ops[name])} {why}"
     current = name
     while True:
         source = graph.inputs[current][0][0]
         op = graph.ops.get(source)
         if op is None or isinstance(op, keras.layers.InputLayer):
             return None, "its input channels come from the model input"
-        if _kernel_axis(op) is not None:
+        if _output_kernel(op) is not None:
             return source, ""
-        if _shared(graph, source):
-            return None, (f"its input channels come from {_describe(op)}, which is shared or has "
-                          "several inputs")
+        if why := _shared(graph, source):
+            return None, f"its input channels come from {_describe(op)}, which {why}"
         if not _passes(op):
             return None, f"its input channels come from {_describe(op)}, which cannot be permuted"
         current = source
@@ -673,11 +694,12 @@ def permute(
 ) -> tuple:
     """Returns a copy of `model` with input channels reordered to keep more magnitude under 2:4.
 
-    For each Dense/ConvND layer whose input channels come from another Dense/ConvND layer (through
-    activations, dropout, pooling, BatchNormalization or LayerNormalization), searches a channel
-    order for the consumers' kernels (`search_permutation`, all consumers of the same channels
-    together) and applies it to the consumers' kernel input axis, the producer's kernel output axis
-    and bias, and every per-channel weight in between. The copy (made as `tf_sparse24.prune` makes
+    For each Dense/ConvND layer whose input channels come from another Dense/ConvND or a
+    SeparableConv layer (through activations, dropout, pooling, BatchNormalization,
+    LayerNormalization or depthwise convolutions with depth_multiplier 1), searches a channel order
+    for the consumers' kernels (`search_permutation`, all consumers of the same channels together)
+    and applies it to the consumers' kernel input axis, the producer's (pointwise) kernel output
+    axis and bias, and every per-channel weight in between. The copy (made as `tf_sparse24.prune` makes
     its copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
     more. Run it on the trained dense model, before `tf_sparse24.prune`. The caller's model is not
     changed.
@@ -752,11 +774,12 @@ def _apply(producer, through, consumers, perm: np.ndarray) -> None:
     def take(variable, axis: int) -> None:
         variable.assign(np.take(variable.numpy(), perm, axis=axis))
 
-    take(producer.kernel, -1)
+    take(_output_kernel(producer), -1)
     if getattr(producer, "bias", None) is not None:
         take(producer.bias, 0)
     for layer in through:
-        for variable in layer.weights:  # BatchNormalization/LayerNormalization: all [C]
-            take(variable, 0)
+        # BatchNormalization/LayerNormalization: all [C]; depthwise: kernel [..., C, 1], bias [C].
+        for variable in layer.weights:
+            take(variable, 0 if variable.ndim == 1 else variable.ndim - 2)
     for layer in consumers:
         take(layer.kernel, layer.kernel.ndim - 2)
