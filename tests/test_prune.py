@@ -951,3 +951,37 @@ def test_a_layer_that_cannot_be_copied_from_its_config_is_named():
     model = keras.Model(inp, keras.layers.RNN(Unregistered(), name="rnn")(inp))
     with pytest.raises(TypeError, match=r"copy layer 'rnn' \(RNN\).*Unregistered(.|\n)*register"):
         ts.prune(model)
+
+
+@keras.saving.register_keras_serializable("test_prune")
+class _BuildsInInit(keras.layers.Layer):
+    """Builds itself in __init__ when its config has the input size, like keras_hub's
+    TransformerDecoder (GPT2, OPT, BART decoders): from_config returns a built layer."""
+
+    def __init__(self, units=8, input_dim=None, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.input_dim = units, input_dim
+        self.proj = keras.layers.Dense(units, name="proj")
+        if input_dim:
+            self.build((None, input_dim))
+
+    def build(self, input_shape):
+        self.input_dim = input_shape[-1]
+        self.proj.build(input_shape)
+
+    def call(self, x):
+        return self.proj(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "input_dim": self.input_dim}
+
+
+def test_a_layer_built_by_its_own_constructor_is_copied():
+    inp = keras.Input((16,))
+    model = keras.Model(inp, _BuildsInInit(8, name="block")(inp))
+    x = np.random.default_rng(0).normal(size=(3, 16)).astype("float32")
+    pruned = ts.prune(model)
+    kernel = model.get_layer("block").proj.kernel.numpy()
+    expected = x @ (kernel * ts.compute_mask(kernel).numpy()) + model.get_layer("block").proj.bias
+    np.testing.assert_allclose(pruned(x), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ts.strip(pruned)(x), expected, rtol=1e-5, atol=1e-5)

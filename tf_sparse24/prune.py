@@ -242,7 +242,7 @@ def _copy_layer(layer):
             "custom classes they hold with @keras.saving.register_keras_serializable()."
         ) from err
     if isinstance(layer, keras.layers.Layer) and layer.built:
-        if layer.weights:
+        if layer.weights and not new.built:  # some layers build in __init__ (keras_hub decoders)
             new.build_from_config(layer.get_build_config())
         _copy_state(layer, new)
     return new
