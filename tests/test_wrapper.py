@@ -498,3 +498,56 @@ def test_a_layer_of_another_float_dtype_runs_in_its_own_dtype(dtype, tol):
                                rtol=tol, atol=tol)
     grad = tape.gradient(loss, wrapper.layer.kernel)
     assert np.all(np.asarray(tf.cast(grad, tf.float64))[mask == 0] == 0)
+
+
+class _CachedBlock(keras.layers.Layer):
+    """keras_hub's decoder call: a tensor cache and a Python int index as keyword arguments."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(8, name="proj")
+
+    def build(self, input_shape):
+        self.proj.build(input_shape)
+
+    def call(self, x, cache=None, cache_update_index=0):
+        y = self.proj(x)
+        return y, keras.ops.slice_update(cache, (0, cache_update_index, 0), y)
+
+
+def test_wrapper_takes_tensor_and_python_keyword_arguments_together():
+    # Bound as one **kwargs argument, Keras refused a mix of tensors and Python values.
+    rng = np.random.default_rng(0)
+    inp = keras.Input((6, 16))
+    mask = keras.Input((6, 6), dtype="bool")
+    mha = keras.layers.MultiHeadAttention(2, 8, name="mha")
+    model = keras.Model([inp, mask], mha(inp, inp, attention_mask=mask, use_causal_mask=True))
+    x = rng.normal(size=(2, 6, 16)).astype("float32")
+    m = rng.random((2, 6, 6)) > 0.3
+    pruned = tf_sparse24.prune(model)
+    # Reference: Keras' own layer with numpy top-2-of-4 masked kernels.
+    reference = keras.layers.MultiHeadAttention(2, 8)
+    reference(x, x)
+    for name in ("query", "key", "value", "output"):
+        kernel = getattr(mha, f"_{name}_dense").kernel.numpy()
+        axis = 1 if name == "output" else 0
+        groups = np.moveaxis(kernel, axis, -1)
+        groups = groups.reshape(*groups.shape[:-1], -1, 4)
+        order = np.argsort(-np.abs(groups), axis=-1, kind="stable")
+        keep = np.zeros(groups.shape, bool)
+        np.put_along_axis(keep, order[..., :2], True, axis=-1)
+        keep = np.moveaxis(keep.reshape(*keep.shape[:-2], -1), -1, axis)
+        getattr(reference, f"_{name}_dense").kernel.assign(kernel * keep)
+        getattr(reference, f"_{name}_dense").bias.assign(getattr(mha, f"_{name}_dense").bias)
+    expected = reference(x, x, attention_mask=m, use_causal_mask=True)
+    np.testing.assert_allclose(pruned([x, m]), expected, rtol=1e-5, atol=1e-5)
+
+    block = _CachedBlock()
+    block.build((None, None, 8))
+    wrapped = Sparse24(block, weights={"proj/kernel": 0})
+    wrapped.build()
+    wrapped.update_masks()
+    cache = np.zeros((1, 4, 8), "float32")
+    y, new_cache = wrapped(np.ones((1, 1, 8), "float32"), cache=cache, cache_update_index=2)
+    np.testing.assert_array_equal(new_cache[0, 2:3], y[0])
+    np.testing.assert_array_equal(new_cache[0, :2], 0.0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 
 import keras
 import numpy as np
@@ -185,6 +186,7 @@ class Sparse24(keras.layers.Wrapper):
         self.supports_masking = (
             layer.supports_masking
         )  # Keras masks pass through like the layer's
+        self._mirror_call_signature(layer)
         self._spec = dict(weights) if weights is not None else None
         self._positions = list(weight_positions) if weight_positions is not None else None
         self.pruned_weights: list[PrunedWeight] = []
@@ -193,6 +195,26 @@ class Sparse24(keras.layers.Wrapper):
         # mask variables themselves. Sparse24Callback's dense warm-up resets prune()'s masks
         # silently, any others with a warning.
         self.masks_source = "ones"
+
+    def _mirror_call_signature(self, layer: keras.layers.Layer) -> None:
+        """Makes Keras bind this wrapper's call arguments by the wrapped layer's `call` signature.
+
+        `call(*args, **kwargs)` would be bound as two nested arguments, and Keras refuses one
+        that mixes tensors and Python values: `mha(x, x, attention_mask=m, use_causal_mask=True)`
+        or keras_hub's `decoder(x, cache=c, cache_update_index=0)` failed wrapped. Bound by the
+        layer's own names, each argument stands alone, and `training`/`mask` are passed on where
+        the layer takes them, as for the layer itself.
+        """
+        # Arguments a wrapper class's own `call` names (SRSTE's `training`) are resolved for it too.
+        own = [name for name, p in inspect.signature(self.call).parameters.items()
+               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        self._call_signature = layer._call_signature
+        self.call_signature_parameters = list(dict.fromkeys(layer.call_signature_parameters + own))
+        self._call_has_training_arg = "training" in self.call_signature_parameters
+        self._call_has_mask_arg = layer._call_has_mask_arg
+        self._call_has_context_arg = {
+            arg: arg in self.call_signature_parameters for arg in self._call_context_args
+        }
 
     def build(self, input_shape=None):
         super().build(input_shape)
