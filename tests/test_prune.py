@@ -1,5 +1,7 @@
 """prune / strip / report / pruned_layers on Sequential, Functional and subclassed models."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -985,3 +987,43 @@ def test_a_layer_built_by_its_own_constructor_is_copied():
     expected = x @ (kernel * ts.compute_mask(kernel).numpy()) + model.get_layer("block").proj.bias
     np.testing.assert_allclose(pruned(x), expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ts.strip(pruned)(x), expected, rtol=1e-5, atol=1e-5)
+
+
+class _OwnConfigBackbone(keras.Model):
+    """A Functional model class with its own constructor and config, like keras_hub's backbones
+    and task models: Keras' clone_model cannot make it again, only a plain Functional model."""
+
+    def __init__(self, hidden=16, **kwargs):
+        inputs = keras.Input((8,), name="features")
+        x = keras.layers.Dense(hidden, activation="relu", name="d1")(inputs)
+        outputs = keras.layers.Dense(4, name="d2")(x)
+        super().__init__(inputs, outputs, **kwargs)
+        self.hidden = hidden
+
+    def get_config(self):
+        return {"hidden": self.hidden, "name": self.name, "trainable": self.trainable}
+
+    def describe(self):
+        return "a method of the class"
+
+
+def test_a_functional_subclass_copy_warns_that_its_class_is_lost_and_the_recipe_restores_it():
+    model = _OwnConfigBackbone(name="bb")
+    x = np.random.default_rng(0).normal(size=(5, 8)).astype("float32")
+    with pytest.warns(UserWarning, match=r"prune\(\): the copy of model 'bb' is a plain Keras "
+                      r"Functional model, not a _OwnConfigBackbone"):
+        pruned = ts.prune(model)
+    assert not hasattr(pruned, "describe")
+    plain = ts.strip(pruned)
+    restored = _OwnConfigBackbone(name="restored")
+    restored.set_weights(plain.get_weights())
+    np.testing.assert_allclose(restored(x), pruned(x), rtol=1e-6, atol=1e-6)
+    assert restored.describe() == "a method of the class"
+    assert all(ts.is_nm_sparse(layer.kernel) for layer in restored.layers[1:])
+    with pytest.warns(UserWarning, match=r"permute\(\).*not a _OwnConfigBackbone"):
+        permuted, reports = ts.permute(model, kicks=1, progress=False)  # its get_config has no graph
+    np.testing.assert_allclose(permuted(x), model(x), rtol=1e-5, atol=1e-5)
+    assert [(r.producer, r.permuted) for r in reports if r.producer] == [("d1", True)]
+    with warnings.catch_warnings():  # a plain Functional model: nothing to warn about
+        warnings.simplefilter("error")
+        ts.prune(keras.Model(model.input, model.output))

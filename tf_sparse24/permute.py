@@ -43,6 +43,7 @@ from tf_sparse24.prune import (
     _copy_layer,
     _is_functional,
     _matches,
+    clone_graph,
     walk_layers,
 )
 from tf_sparse24.registry import lora_layers, quantized_layers
@@ -500,6 +501,8 @@ def _graph(model: keras.Model) -> _Graph:
         outputs = set(names[-1:])
     elif _is_functional(model):
         config = model.get_config()
+        if "layers" not in config:  # a subclass with its own config (keras_hub): same graph
+            config = keras.Model(model.input, model.output, name=model.name).get_config()
         ops = {op.name: op for op in model.operations}
         inputs = {spec["name"]: [_history_names(node) for node in spec.get("inbound_nodes", [])]
                   for spec in config["layers"]}
@@ -745,7 +748,7 @@ def permute(
         )
     _check_untied(model, "permute")
     plans, reports = _plan(graph, selectors, max_channels)
-    copy = keras.models.clone_model(model, clone_function=_copy_layer, recursive=True)
+    copy = clone_graph(model, _copy_layer, "permute")
     bar = None
     if progress and plans:
         from tqdm.auto import tqdm

@@ -316,7 +316,7 @@ def prune(
         wrapped.masks_source = "prune()"
         return wrapped
 
-    pruned = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    pruned = clone_graph(model, clone, "prune")
     if missed := [layer.name for layer in walk_layers(model) if id(layer) in plan.keys() - reached]:
         raise ValueError(
             f"prune(): cannot reach layers {missed} of model {model.name!r}: they sit inside a "
@@ -483,7 +483,31 @@ def strip(model: keras.Model) -> keras.Model:
         )
         return new
 
-    return keras.models.clone_model(model, clone_function=clone, recursive=True)
+    return clone_graph(model, clone, "strip")
+
+
+def clone_graph(model: keras.Model, clone: Callable, caller: str) -> keras.Model:
+    """`keras.models.clone_model(model, clone_function=clone, recursive=True)`, warning when the
+    copy loses the model's own class.
+
+    Keras makes a Functional subclass again only if its constructor takes `(inputs, outputs)`;
+    others (keras_hub backbones and task models) come back as plain Functional models, without
+    their methods (`generate()`, `preprocessor`), silently.
+    """
+    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    if type(copy) is not type(model):
+        cls = type(model).__name__
+        warnings.warn(
+            f"{caller}(): the copy of model {model.name!r} is a plain Keras {type(copy).__name__} "
+            f"model, not a {cls}: Keras' clone_model cannot call {cls}'s constructor with inputs "
+            f"and outputs. It has the same layers, graph and weights, but none of {cls}'s own "
+            "methods or attributes (e.g. a task model's generate() or preprocessor), and its "
+            f".keras file loads as a {type(copy).__name__} model. To get them back after "
+            f"fine-tuning, make a new {cls} with the same configuration and call "
+            "`new.set_weights(tf_sparse24.strip(pruned).get_weights())`.",
+            stacklevel=3,
+        )
+    return copy
 
 
 @dataclasses.dataclass
