@@ -1001,3 +1001,28 @@ def test_accelerated_float64_layers_are_decompressed_at_load_with_stock_ops(tmp_
     served = load(tmp_path / "1").signatures["serving_default"](inputs=x)["out"]
     want = x @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy()
     np.testing.assert_allclose(served.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["portable", "accelerated"])
+def test_einsum_kernels_contracted_on_an_inner_axis_are_pruned_and_served(tmp_path, mode):
+    # Gemma's query/key/value projection `btd,ndh->btnh` (kernel [heads, d, head_dim], contracted
+    # on axis 1) and a transposed kernel `abc,dc->abd` ([out, in]): grouped along d / c.
+    L = keras.layers
+    tokens = keras.Input((5, 16), name="tokens")
+    q = L.EinsumDense("btd,ndh->btnh", (None, 2, 8), name="q")(tokens)
+    y = L.EinsumDense("abc,dc->abd", (None, 12), name="t")(L.Reshape((5, 16))(q))
+    model = keras.Model(tokens, y)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(3, 5, 16)).astype("float32")
+    wq, wt = (model.get_layer(n).kernel.numpy() for n in ("q", "t"))
+    pruned = tf_sparse24.prune(model)
+    rows = {r.layer: r for r in tf_sparse24.report(pruned, print_fn=None)}
+    assert rows["sparse24_q"].status == rows["sparse24_t"].status == "pruned"
+    mq, mt = prune_24(wq, 1), prune_24(wt, 1)
+    expected = np.einsum("abc,dc->abd", np.einsum("btd,ndh->btnh", x, mq).reshape(3, 5, 16), mt)
+    np.testing.assert_allclose(pruned(x), expected, rtol=1e-5, atol=1e-5)
+    metadata = tf_sparse24.export(pruned, tmp_path / "1", mode=mode)
+    assert sorted((e["name"], e["axis"]) for e in metadata["sparse"]) == [
+        ("q/kernel", 1), ("t/kernel", 1)]
+    (served,) = load(tmp_path / "1").signatures["serving_default"](tokens=x).values()
+    np.testing.assert_allclose(served.numpy(), expected, rtol=1e-5, atol=1e-5)

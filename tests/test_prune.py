@@ -300,7 +300,8 @@ def test_eligible_weights():
         "abc,dc->abd", output_shape=(None, 4)
     )  # kernel [d, c]
     einsum.build((None, 6, 8))
-    assert ts.eligible_weights(einsum) == []
+    ((path, var, axis),) = ts.eligible_weights(einsum)  # contracted on its last axis
+    assert (path, axis) == ("kernel", 1) and var is einsum.kernel
 
 
 @keras.saving.register_keras_serializable(package="test_prune")

@@ -134,16 +134,18 @@ def quantized_layers(layer: keras.layers.Layer) -> list[str]:
 def einsum_axis(equation: str, kernel_rank: int) -> int | str:
     """Grouping axis of an EinsumDense kernel, or the reason it is not prunable.
 
-    Prunable only if the contracted kernel axes (in the input, not in the output) form a leading
-    prefix of the kernel's axes; the axis is the last contracted one.
+    The last contracted kernel axis (in the input, not in the output), wherever it sits: Gemma's
+    `btd,ndh->btnh` groups along d (axis 1), `abc,dc->abd` along c. Groups of consecutive
+    elements along it all sum into the same output, as contract 1 asks; the format's [K, N] view
+    (`format.to_2d`) keeps them whole for any axis.
     """
     match = re.match(r"^([\w.]+),(\w+)->([\w.]+)$", equation.replace(" ", ""))
     if match is None:
         return f"cannot parse einsum equation {equation!r}"
     inputs, kernel, output = match.groups()
     contracted = [i for i, c in enumerate(kernel) if c in inputs and c not in output]
-    if not contracted or contracted != list(range(len(contracted))):
-        return f"contracted kernel axes of {equation!r} are not a leading prefix"
+    if not contracted:
+        return f"einsum equation {equation!r} contracts no kernel axis"
     return contracted[-1]
 
 
