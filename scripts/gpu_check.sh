@@ -143,7 +143,11 @@ peer_rc=$?
 
 echo
 echo "== summary: tf_sparse24 harness (cuSPARSELt 2:4 vs cuBLAS dense)"
-sed -n '/^== benchmark table/,/launch-bound/p' "$LOG_DIR/gpu_check.log"
+if grep -q '^== benchmark table' "$LOG_DIR/gpu_check.log" 2>/dev/null; then
+  sed -n '/^== benchmark table/,/launch-bound/p' "$LOG_DIR/gpu_check.log"
+else  # stopped early (a failure, or the time limit): the rows measured so far
+  sed -n '/^== benchmark:/,$p' "$LOG_DIR/gpu_check.log" 2>/dev/null | grep -v '^ *\[ok\]'
+fi
 grep -E '^\s+\[FAIL\]|^gpu_check: ' "$LOG_DIR/gpu_check.log" | tail -n 20
 echo "== summary: PyTorch peer (torch semi-structured 2:4 vs dense F.linear)"
 sed -n '/^dtype /,$p' "$LOG_DIR/gpu_peer_torch.log" 2>/dev/null || echo "(no peer log)"
