@@ -551,3 +551,38 @@ def test_wrapper_takes_tensor_and_python_keyword_arguments_together():
     y, new_cache = wrapped(np.ones((1, 1, 8), "float32"), cache=cache, cache_update_index=2)
     np.testing.assert_array_equal(new_cache[0, 2:3], y[0])
     np.testing.assert_array_equal(new_cache[0, :2], 0.0)
+
+
+class _Repeat(keras.layers.Layer):
+    """Takes a Python int positionally (`block(x, 2)`) and keeps its input's dtype: two
+    per-instance __call__ policies Keras lets a layer set."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(8, name="proj")
+        self._allow_non_tensor_positional_args = True
+        self._convert_input_args = False
+
+    def build(self, input_shape):
+        self.proj.build(input_shape)
+
+    def call(self, x, times=1):
+        seen = x.dtype
+        for _ in range(times):
+            x = self.proj(x)
+        return x, tf.constant(seen.name)
+
+
+def test_wrapper_follows_the_layers_positional_and_input_cast_policies():
+    block = _Repeat()
+    block.build((None, 8))
+    wrapped = Sparse24(block, weights={"proj/kernel": 0})
+    wrapped.build()
+    wrapped.update_masks()
+    x = np.random.default_rng(0).normal(size=(3, 8)).astype("float32")
+    kernel = block.proj.kernel.numpy() * wrapped.pruned_weights[0].mask.numpy()
+    expected = (x @ kernel + block.proj.bias.numpy()) @ kernel + block.proj.bias.numpy()
+    y, _ = wrapped(x, 2)  # Keras refused a positional Python value for the wrapper
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+    _, seen = wrapped(tf.constant(x, tf.float64))
+    assert seen.numpy() == b"float64"  # not cast to the wrapper's float32 first

@@ -203,7 +203,8 @@ class Sparse24(keras.layers.Wrapper):
         that mixes tensors and Python values: `mha(x, x, attention_mask=m, use_causal_mask=True)`
         or keras_hub's `decoder(x, cache=c, cache_update_index=0)` failed wrapped. Bound by the
         layer's own names, each argument stands alone, and `training`/`mask` are passed on where
-        the layer takes them, as for the layer itself.
+        the layer takes them, as for the layer itself. Set in `__init__`: a layer that changes
+        these attributes later is not followed.
         """
         # Arguments a wrapper class's own `call` names (SRSTE's `training`) are resolved for it too.
         own = [name for name, p in inspect.signature(self.call).parameters.items()
@@ -215,6 +216,11 @@ class Sparse24(keras.layers.Wrapper):
         self._call_has_context_arg = {
             arg: arg in self.call_signature_parameters for arg in self._call_context_args
         }
+        # The layer's own __call__ policy: Python values as positional arguments (`block(x, 2)`),
+        # inputs left in their dtype. The layer's __call__ applies both again when the wrapper
+        # calls it.
+        self._allow_non_tensor_positional_args = layer._allow_non_tensor_positional_args
+        self._convert_input_args = layer._convert_input_args
 
     def build(self, input_shape=None):
         super().build(input_shape)
