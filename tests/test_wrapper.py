@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from test_masks import reference_mask
 
 import tf_sparse24
 from tf_sparse24 import Sparse24, is_nm_sparse
@@ -532,13 +533,7 @@ def test_wrapper_takes_tensor_and_python_keyword_arguments_together():
     reference(x, x)
     for name in ("query", "key", "value", "output"):
         kernel = getattr(mha, f"_{name}_dense").kernel.numpy()
-        axis = 1 if name == "output" else 0
-        groups = np.moveaxis(kernel, axis, -1)
-        groups = groups.reshape(*groups.shape[:-1], -1, 4)
-        order = np.argsort(-np.abs(groups), axis=-1, kind="stable")
-        keep = np.zeros(groups.shape, bool)
-        np.put_along_axis(keep, order[..., :2], True, axis=-1)
-        keep = np.moveaxis(keep.reshape(*keep.shape[:-2], -1), -1, axis)
+        keep = reference_mask(kernel, 2, 4, axis=1 if name == "output" else 0)
         getattr(reference, f"_{name}_dense").kernel.assign(kernel * keep)
         getattr(reference, f"_{name}_dense").bias.assign(getattr(mha, f"_{name}_dense").bias)
     expected = reference(x, x, attention_mask=m, use_causal_mask=True)

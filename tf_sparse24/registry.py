@@ -131,7 +131,7 @@ def quantized_layers(layer: keras.layers.Layer) -> list[str]:
     ]
 
 
-def einsum_axis(equation: str, kernel_rank: int) -> int | str:
+def einsum_axis(equation: str) -> int | str:
     """Grouping axis of an EinsumDense kernel, or the reason it is not prunable.
 
     The last contracted kernel axis (in the input, not in the output), wherever it sits: Gemma's
@@ -216,7 +216,7 @@ def _candidates(
             candidates.append((named[id(var)], var, axis))
         return candidates, []
     if isinstance(layer, L.EinsumDense):
-        axis = einsum_axis(layer.equation, layer.kernel.ndim)
+        axis = einsum_axis(layer.equation)
         if isinstance(axis, str):
             return [], [axis]
         # `_kernel`: with LoRA enabled `kernel` is the computed `_kernel + lora_a @ lora_b`.
