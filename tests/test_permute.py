@@ -12,6 +12,7 @@ from tf_sparse24.permute import (
     _partitions,
     _top2_sum,
     _top2_sum_numpy,
+    channel_matrix,
     kept_magnitude,
     permutation_efficacy,
     permute,
@@ -201,39 +202,137 @@ def test_permute_dense_chain_keeps_function_and_gains():
         assert r.kept_after > r.kept_before and r.efficacy > 0
 
 
-def test_permute_conv_bn_chain_with_residual_add_and_siblings():
+def test_permute_conv_bn_chain_with_siblings_and_a_concatenation():
     inputs = keras.Input((8, 8, 4))
-    a = keras.layers.Conv2D(8, 3, padding="same", name="c1")(inputs)
-    a = keras.layers.BatchNormalization(name="bn1")(a)
-    a = keras.layers.ReLU()(a)
-    b = keras.layers.Conv2D(8, 3, padding="same", name="c2")(a)
-    s = keras.layers.Add(name="add")([a, b])  # c1's channels reach a residual add
-    c = keras.layers.Conv2D(12, 1, name="c3")(s)
+    c = keras.layers.Conv2D(12, 1, name="c3")(keras.layers.Conv2D(8, 3, name="c1")(inputs))
     c = keras.layers.BatchNormalization(name="bn3")(c)
     c = keras.layers.MaxPooling2D()(c)
     left = keras.layers.Conv2D(8, 3, name="c4")(c)  # two consumers of c3's channels
     right = keras.layers.Conv2D(8, 1, name="c5")(c)
     right = keras.layers.Cropping2D(1)(right)
-    merged = keras.layers.Concatenate()([left, right])
+    merged = keras.layers.Concatenate(name="cat")([left, right])
     outputs = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling2D()(merged))
     model = keras.Model(inputs, outputs)
     _randomize(model, seed=2)
-    x = np.random.default_rng(3).normal(size=(4, 8, 8, 4)).astype("float32")
 
     permuted, reports = permute(model, kicks=1, progress=False)
 
-    np.testing.assert_allclose(_outputs(permuted, x), _outputs(model, x), rtol=1e-4, atol=1e-4)
+    _assert_same_function(model, permuted, _x(4, 8, 8, 4, seed=3))
     by_producer = {r.producer: r for r in reports}
-    assert by_producer["c1"].reason == (
-        "channels reach 'add' (Add), which combines several inputs (a residual add, "
-        "concatenation or product)")
     group = by_producer["c3"]
     assert group.permuted and set(group.consumers) == {"c4", "c5"} and group.channels == 12
     after = sum(_kept_in_layer(permuted.get_layer(n)) for n in ("c4", "c5"))
     before = sum(_kept_in_layer(model.get_layer(n)) for n in ("c4", "c5"))
     assert group.kept_after == pytest.approx(after) and after >= before
     head = {r.consumers: r for r in reports}[("head",)]
-    assert not head.permuted and "(Concatenate)" in head.reason
+    assert not head.permuted and head.reason == (
+        "its input channels come from 'cat' (Concatenate), which combines several inputs (a "
+        "concatenation or a merge of unequal channels)")
+
+
+def _residual_stage(inputs, blocks, width, prefix):
+    """ResNet's bottleneck blocks sharing one residual stream: a projection shortcut first."""
+    shortcut = keras.layers.BatchNormalization(name=f"{prefix}_sbn")(
+        keras.layers.Conv2D(width, 1, name=f"{prefix}_short")(inputs))
+    x = inputs
+    for b in range(blocks):
+        y = keras.layers.Conv2D(width // 2, 1, name=f"{prefix}{b}_a")(x)
+        y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))
+        y = keras.layers.Conv2D(width, 3, padding="same", name=f"{prefix}{b}_b")(y)
+        y = keras.layers.BatchNormalization(name=f"{prefix}{b}_bn")(y)
+        x = keras.layers.ReLU()(keras.layers.Add(name=f"{prefix}{b}_add")([shortcut, y]))
+        shortcut = x
+    return x
+
+
+def test_permute_joins_residual_adds_into_one_channel_space():
+    inputs = keras.Input((6, 6, 4))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="stem")(inputs)
+    x = _residual_stage(x, 3, 16, "s1")
+    x = _residual_stage(x, 2, 24, "s2")
+    pooled = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(3, name="head")(keras.layers.Dropout(0.2)(pooled))
+    model = keras.Model(inputs, outputs)
+    _randomize(model, seed=2)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(4, 6, 6, 4, seed=3))
+    report_of = {c: r for r in reports for c in r.consumers}  # report of each consumer
+    s1 = report_of["s11_a"]  # stage 1's residual stream, read by its blocks and by stage 2
+    assert s1.permuted and s1.channels == 16
+    assert set(s1.producers) == {"s1_short", "s10_b", "s11_b", "s12_b"}
+    assert set(s1.consumers) == {"s11_a", "s12_a", "s2_short", "s20_a"}
+    s2 = report_of["s21_a"]
+    assert s2.permuted and set(s2.producers) == {"s2_short", "s20_b", "s21_b"}
+    assert set(s2.consumers) == {"s21_a", "head"}
+    for r in (s1, s2):  # one order for all the space's consumers: what the search saw
+        rows = np.concatenate([channel_matrix(k, k.ndim - 2) for k in
+                               (model.get_layer(n).kernel.numpy() for n in r.consumers)])
+        assert r.kept_before == pytest.approx(kept_magnitude(rows))
+        after = sum(_kept_in_layer(permuted.get_layer(n)) for n in r.consumers)
+        assert r.kept_after == pytest.approx(after) and after > r.kept_before
+    inner = report_of["s10_b"]
+    assert inner.permuted and inner.producers == ("s10_a",) and inner.consumers == ("s10_b",)
+    stem = report_of["s1_short"]
+    assert stem.permuted and stem.producers == ("stem",)
+    assert set(stem.consumers) == {"s1_short", "s10_a"}
+    skipped = [r for r in reports if not r.permuted]
+    assert [r.consumers for r in skipped] == [("stem",)]
+    assert skipped[0].reason == "its input channels come from the model input"
+
+
+def test_permute_through_squeeze_excite_products():
+    # EfficientNet's block: expand -> depthwise -> x * sigmoid(conv(conv(pool(x)))) -> project.
+    inputs = keras.Input((6, 6, 8))
+    x = keras.layers.Conv2D(16, 1, name="expand")(inputs)
+    x = keras.layers.Activation("swish")(keras.layers.BatchNormalization()(x))
+    x = keras.layers.DepthwiseConv2D(3, padding="same", name="dw")(x)
+    x = keras.layers.Activation("swish")(keras.layers.BatchNormalization()(x))
+    se = keras.layers.GlobalAveragePooling2D()(x)
+    se = keras.layers.Reshape((1, 1, 16), name="se_reshape")(se)
+    se = keras.layers.Conv2D(4, 1, activation="swish", name="se_reduce")(se)
+    se = keras.layers.Conv2D(16, 1, activation="sigmoid", name="se_expand")(se)
+    x = keras.layers.Multiply(name="excite")([x, se])
+    x = keras.layers.Conv2D(8, 1, name="project")(x)
+    gate = keras.layers.Conv2D(1, 1, name="gate")(x)  # [.., 1] broadcast over 8: not a merge
+    x = keras.layers.Multiply(name="gated")([x, gate])
+    outputs = keras.layers.Conv2D(4, 1, name="out")(x)
+    model = keras.Model(inputs, outputs)
+    _randomize(model, seed=5)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(4, 6, 6, 8, seed=6))
+    report_of = {c: r for r in reports for c in r.consumers}  # report of each consumer
+    excite = report_of["se_reduce"]
+    assert excite.permuted and excite.producers == ("expand", "se_expand")
+    assert excite.consumers == ("se_reduce", "project") and excite.channels == 16
+    assert not np.array_equal(permuted.get_layer("dw").get_weights()[0],
+                              model.get_layer("dw").get_weights()[0])
+    assert report_of["se_expand"].permuted and report_of["se_expand"].producers == ("se_reduce",)
+    gated = report_of["gate"]
+    assert not gated.permuted and gated.consumers == ("gate",) and gated.reason == (
+        "channels reach 'gated' (Multiply), which combines several inputs (a concatenation or a "
+        "merge of unequal channels)")
+    assert "'gated' (Multiply)" in report_of["out"].reason
+
+
+def test_permute_skips_a_residual_add_of_the_model_input():
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(16, name="d0")(inputs)
+    x = keras.layers.Add(name="add")([inputs, keras.layers.Dense(16, name="d1")(x)])
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d2")(x))
+    _randomize(model, seed=8)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 16))
+    report_of = {c: r for r in reports for c in r.consumers}  # report of each consumer
+    assert report_of["d1"].permuted and report_of["d1"].producers == ("d0",)
+    add = report_of["d2"]  # the sum's channels are the input's too
+    assert not add.permuted and add.consumers == ("d2",) and add.producers == ("d1",)
+    assert add.reason == "its input channels come from the model input"
 
 
 def test_permute_through_depthwise_convs_and_from_separable_convs():
@@ -346,7 +445,9 @@ def test_permute_sequential_with_a_layer_used_twice_skips_it():
     assert not any(r.permuted for r in reports)
     reasons = {r.consumers: r.reason for r in reports}
     assert reasons[("a",)] == "'a' (Dense) is shared (called 2 times)"
-    assert reasons[("b", "c")] == "'a' (Dense) is shared (called 2 times)"
+    for consumer in ("b", "c"):
+        assert reasons[(consumer,)] == (
+            "its input channels come from 'a' (Dense), which is shared (called 2 times)")
 
 
 def _chain(widths=(16, 32, 16, 4), names=("d0", "d1", "d2", "d3")):
@@ -490,7 +591,9 @@ def test_permute_skips_a_layer_shared_with_a_nested_model():
     _assert_same_function(model, permuted, _x(8, 8))
     reasons = {r.consumers: r.reason for r in reports if not r.permuted}
     assert reasons[("s",)] == "'s' (Dense) is shared (also used inside a nested model)"
-    assert reasons[("d1",)] == "'s' (Dense) is shared (also used inside a nested model)"
+    assert reasons[("d1",)] == (
+        "its input channels come from 's' (Dense), which is shared (also used inside a nested "
+        "model)")
     assert "'inner' (Functional), which cannot be permuted" in reasons[("d2",)]
     assert [(r.producer, r.consumers) for r in reports if r.permuted] == [("d2", ("d3",))]
 

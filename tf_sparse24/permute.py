@@ -11,8 +11,9 @@ Two parts:
   few stripes of the best order and searching again ("kicks"), keeping only improvements. Wide
   layers are searched in random blocks of channels, so the cost stays linear in their width.
 - `permute(model)`: applies searches to a Keras Functional/Sequential model, permuting each
-  eligible layer's input channels together with its producer's output channels (kernel columns,
-  bias, BatchNormalization parameters in between), and reports per-layer gains and skip reasons.
+  eligible layer's input channels together with the output channels of the layers that produce
+  them (kernel columns, bias, BatchNormalization parameters in between; across residual adds all
+  branches and all readers of the sum), and reports per-space gains and skip reasons.
 
 Metric (apex ASP's `permutation_tests`): efficacy = (lost_plain - lost_permuted) /
 (lost_plain - lost_rows50), where "lost" is the magnitude 2:4 discards and lost_rows50 is what
@@ -415,6 +416,8 @@ _PASS_THROUGH = {
     "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D", "UpSampling1D",
     "UpSampling2D", "UpSampling3D",
 }  # fmt: skip
+# Elementwise merge layers: commute with a permutation applied to all their inputs alike.
+_MERGE = {"Add", "Subtract", "Average", "Maximum", "Minimum", "Multiply"}
 _PER_CHANNEL = {"BatchNormalization", "LayerNormalization"}  # 1-D [C] weights, permuted too
 # Per-channel spatial filters (depth_multiplier 1): kernel [..., C, 1] and bias [C], permuted too.
 _DEPTHWISE = {"DepthwiseConv1D", "DepthwiseConv2D"}
@@ -425,10 +428,12 @@ _MODEL_INPUT = "<model input>"  # source of a Sequential model's first layer
 
 @dataclasses.dataclass
 class PermutationReport:
-    """What `permute` did for one producer and the layers that consume its channels.
+    """What `permute` did for one channel space: the layers that produce the same channels (several
+    when a residual add or product joins branches) and the layers that consume them.
 
-    `kept_before`/`kept_after` are the |w| the consumers' kernels keep under 2:4; `efficacy` is
-    ASP's metric in percent (None when skipped).
+    `producer` is the first of `producers` (None when there is none). `kept_before`/`kept_after`
+    are the |w| the consumers' kernels keep under 2:4; `efficacy` is ASP's metric in percent (None
+    when skipped).
     """
 
     producer: str | None
@@ -439,6 +444,7 @@ class PermutationReport:
     kept_before: float = 0.0
     kept_after: float = 0.0
     efficacy: float | None = None
+    producers: tuple[str, ...] = ()
 
     @property
     def gain_percent(self) -> float:
@@ -457,9 +463,9 @@ class _Graph(NamedTuple):
 
 
 class _Plan(NamedTuple):
-    """One group to permute: the layer names and the consumers' kernels as `[rows, channels]`."""
+    """One channel space to permute: layer names and the consumers' kernels as `[rows, channels]`."""
 
-    producer: str
+    producers: list[str]
     through: list[str]
     consumers: list[str]
     rows: np.ndarray
@@ -529,15 +535,16 @@ def _describe(op) -> str:
 
 
 def _shared(graph: _Graph, name: str) -> str:
-    """Why `name`'s channels cannot be followed through it alone ('' when they can): it is called
-    more than once, combines several inputs, or is also used inside another layer."""
+    """Why `name`'s channels cannot be followed through it ('' when they can): it is called more
+    than once, is also used inside another layer, or combines several inputs other than by a
+    channel-wise merge."""
     nodes = graph.inputs.get(name, [])
     if len(nodes) > 1:
         return f"is shared (called {len(nodes)} times)"
     if name in graph.hidden:
         return "is shared (also used inside a nested model)"
-    if len(nodes) == 1 and len(nodes[0]) != 1:
-        return "combines several inputs (a residual add, concatenation or product)"
+    if len(nodes) == 1 and len(nodes[0]) != 1 and not _merges(graph.ops[name]):
+        return "combines several inputs (a concatenation or a merge of unequal channels)"
     return ""
 
 
@@ -574,7 +581,18 @@ def _passes(layer) -> bool:
     if kind in (*_PER_CHANNEL, "Softmax"):  # normalizes over an axis: the channel axis only
         axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
         return list(axis) in ([-1], [len(layer.input.shape) - 1])
+    if kind == "Reshape":  # keeps every channel's index when the last axis is left alone
+        return layer.input.shape[-1] is not None and layer.input.shape[-1] == layer.output.shape[-1]
     return kind in _PASS_THROUGH
+
+
+def _merges(layer) -> bool:
+    """Whether `layer` combines its inputs channel by channel: an elementwise merge layer whose
+    inputs all have its output's channel count (a residual add, squeeze-excite's product)."""
+    if not isinstance(layer, keras.layers.Layer) or type(layer).__name__ not in _MERGE:
+        return False
+    channels = layer.output.shape[-1]
+    return channels is not None and all(t.shape[-1] == channels for t in layer.input)
 
 
 def _frozen(layer: keras.layers.Layer) -> str:
@@ -587,51 +605,68 @@ def _frozen(layer: keras.layers.Layer) -> str:
     return ""
 
 
-def _group(graph: _Graph, producer: str) -> tuple[list[str], list[str], str]:
-    """Layers between `producer` and its consumers: `(pass_through, consumers, skip_reason)`."""
-    if why := _shared(graph, producer):
-        return [], [], f"{_describe(graph.ops[producer])} {why}"
-    through, consumers, frontier = [], [], [producer]
-    while frontier:
-        name = frontier.pop()
+class _Space(NamedTuple):
+    """The layers that share one channel space (one order of the same channels), graph order."""
+
+    producers: list[str]  # whose (pointwise) kernel's output axis carries the channels
+    through: list[str]  # pass-through and merge layers on the way
+    consumers: list[str]  # whose kernel's input axis reads them
+    reason: str  # why the space cannot be permuted ('' when it can)
+
+
+def _space(graph: _Graph, consumer: str) -> _Space:
+    """The channel space `consumer` reads: everything that must be permuted with its input.
+
+    Walks back from the consumer's input and forward from every layer that carries the channels:
+    through pass-through layers, and across channel-wise merges to all their inputs (so a residual
+    add joins both branches' producers and all consumers of its sum). Stops at anything else; the
+    first such stop is the reason the space is skipped.
+    """
+    producers, through, consumers, reasons = set(), set(), {consumer}, []
+    carriers: list[str] = []  # operations whose output carries the channels
+
+    def carry(name: str) -> None:
+        if name not in carriers:
+            carriers.append(name)
+
+    carry(graph.inputs[consumer][0][0])
+    for name in carriers:  # grows while iterating
+        op = graph.ops.get(name)
+        if op is None or isinstance(op, keras.layers.InputLayer):
+            reasons.append("its input channels come from the model input")
+            continue
+        if why := _shared(graph, name):
+            reasons.append(f"its input channels come from {_describe(op)}, which {why}")
+            continue
+        if _output_kernel(op) is not None:
+            producers.add(name)
+        elif _passes(op) or _merges(op):
+            through.add(name)
+            for source in graph.inputs[name][0]:
+                carry(source)
+        else:
+            reasons.append(f"its input channels come from {_describe(op)}, which cannot be permuted")
+            continue
         if name in graph.outputs:
-            return [], [], f"{name!r} is a model output"
+            reasons.append(f"{name!r} is a model output")
         for user in graph.consumers.get(name, []):
             op = graph.ops[user]
             if why := _shared(graph, user):
-                return [], [], f"channels reach {_describe(op)}, which {why}"
-            if _kernel_axis(op) is not None:
-                consumers.append(user)
-            elif _passes(op):
-                through.append(user)
-                frontier.append(user)
+                reasons.append(f"channels reach {_describe(op)}, which {why}")
+            elif _kernel_axis(op) is not None:
+                consumers.add(user)
+            elif _passes(op) or _merges(op):
+                carry(user)
             else:
-                return [], [], f"channels reach {_describe(op)}, which cannot be permuted"
-    if not consumers:
-        return [], [], "no Dense/Conv layer consumes these channels"
-    for name in [producer, *through, *consumers]:
-        if reason := _frozen(graph.ops[name]):
-            return [], [], reason
-    return through, consumers, ""
-
-
-def _producer_of(graph: _Graph, name: str) -> tuple[str | None, str]:
-    """Walks back from consumer `name` through pass-through layers to the producing layer."""
-    if why := _shared(graph, name):
-        return None, f"{_describe(graph.ops[name])} {why}"
-    current = name
-    while True:
-        source = graph.inputs[current][0][0]
-        op = graph.ops.get(source)
-        if op is None or isinstance(op, keras.layers.InputLayer):
-            return None, "its input channels come from the model input"
-        if _output_kernel(op) is not None:
-            return source, ""
-        if why := _shared(graph, source):
-            return None, f"its input channels come from {_describe(op)}, which {why}"
-        if not _passes(op):
-            return None, f"its input channels come from {_describe(op)}, which cannot be permuted"
-        current = source
+                reasons.append(f"channels reach {_describe(op)}, which cannot be permuted")
+    order = list(graph.ops)
+    producers, through, consumers = (sorted(group, key=order.index)
+                                     for group in (producers, through, consumers))
+    if not reasons and not producers:
+        reasons.append("no Dense/Conv layer produces these channels")
+    if not reasons:
+        reasons += filter(None, (_frozen(graph.ops[n]) for n in [*producers, *through, *consumers]))
+    return _Space(producers, through, consumers, reasons[0] if reasons else "")
 
 
 def _channel_rows(layers: list[keras.layers.Layer]) -> np.ndarray:
@@ -655,32 +690,32 @@ def _channel_rows(layers: list[keras.layers.Layer]) -> np.ndarray:
 def _plan(
     graph: _Graph, selectors: list, max_channels: int | None
 ) -> tuple[list[_Plan], list[PermutationReport]]:
-    """The groups to permute (their kernels read and checked) and reports for the skipped ones."""
-    groups: dict[str, list[str]] = {}
-    reports = []
+    """The channel spaces to permute (their kernels read and checked) and reports for the
+    skipped ones; one per space that has a selected consumer."""
+    plans, reports, done = [], [], set()
     for name, op in graph.ops.items():
-        if _kernel_axis(op) is None or (selectors and not _matches(op, selectors)):
+        if (name in done or _kernel_axis(op) is None
+                or (selectors and not _matches(op, selectors))):
             continue
-        producer, reason = _producer_of(graph, name)
-        if producer is None:
-            reports.append(PermutationReport(None, (name,), 0, False, reason))
-        else:
-            groups.setdefault(producer, []).append(name)
-    plans = []
-    for producer, selected in groups.items():
-        through, consumers, reason = _group(graph, producer)
-        layer = graph.ops[producer]
-        channels = int(getattr(layer, "units", None) or layer.filters)
+        if why := _shared(graph, name):
+            reports.append(PermutationReport(None, (name,), 0, False, f"{_describe(op)} {why}"))
+            continue
+        space = _space(graph, name)
+        done.update(space.consumers)
+        reason, channels = space.reason, 0
+        if space.producers:
+            channels = int(_output_kernel(graph.ops[space.producers[0]]).shape[-1])
         if not reason and channels % 4:
             reason = f"{channels} channels, not a multiple of 4"
         if not reason and max_channels is not None and channels > max_channels:
             reason = f"{channels} channels > max_channels={max_channels}"
         if reason:
-            skipped = tuple(consumers or selected)
-            reports.append(PermutationReport(producer, skipped, channels, False, reason))
+            reports.append(PermutationReport(
+                space.producers[0] if space.producers else None, tuple(space.consumers), channels,
+                False, reason, producers=tuple(space.producers)))
         else:
-            rows = _channel_rows([graph.ops[c] for c in consumers])
-            plans.append(_Plan(producer, through, consumers, rows))
+            rows = _channel_rows([graph.ops[c] for c in space.consumers])
+            plans.append(_Plan(space.producers, space.through, space.consumers, rows))
     return plans, reports
 
 
@@ -697,21 +732,22 @@ def permute(
 ) -> tuple:
     """Returns a copy of `model` with input channels reordered to keep more magnitude under 2:4.
 
-    For each Dense/ConvND layer whose input channels come from another Dense/ConvND or a
-    SeparableConv layer (through activations, dropout, pooling, BatchNormalization,
-    LayerNormalization or depthwise convolutions with depth_multiplier 1), searches a channel order
-    for the consumers' kernels (`search_permutation`, all consumers of the same channels together)
-    and applies it to the consumers' kernel input axis, the producer's (pointwise) kernel output
-    axis and bias, and every per-channel weight in between. The copy (made as `tf_sparse24.prune`
-    makes its copies) computes the same function as `model` (up to float rounding) but its 2:4
-    masks keep more. Run it on the trained dense model, before `tf_sparse24.prune`. The caller's model is not
-    changed.
+    For each channel space (a set of channels that Dense/ConvND or SeparableConv "producers" write
+    and Dense/ConvND "consumers" read, through activations, dropout, pooling, reshapes that keep
+    the last axis, BatchNormalization, LayerNormalization, depthwise convolutions with
+    depth_multiplier 1, and elementwise merges such as residual adds and squeeze-excite products,
+    which join their inputs' spaces), searches one channel order for all the consumers' kernels
+    together (`search_permutation`) and applies it to the consumers' kernel input axis, every
+    producer's (pointwise) kernel output axis and bias, and every per-channel weight in between.
+    The copy (made as `tf_sparse24.prune` makes its copies) computes the same function as `model`
+    (up to float rounding) but its 2:4 masks keep more. Run it on the trained dense model, before
+    `tf_sparse24.prune`. The caller's model is not changed.
 
-    Skipped, with a reason in the report: layers fed by the model input, channels that reach a
-    residual add, concatenation, model output, shared layer (called twice, or also inside a nested
-    model), keras op (`x * 2.0`, `x[:, :16]`) or any other layer not known to commute with a channel
-    permutation; quantized or LoRA-enabled layers; channel counts that are not a multiple of 4 or
-    above `max_channels`.
+    Skipped, with a reason in the report: spaces that reach the model input, a model output, a
+    concatenation, a shared layer (called twice, or also inside a nested model), a keras op
+    (`x * 2.0`, `x[:, :16]`) or any other layer not known to commute with a channel permutation;
+    quantized or LoRA-enabled layers; channel counts that are not a multiple of 4 or above
+    `max_channels`.
 
     Args:
         model: a built Functional or Sequential keras.Model.
@@ -724,10 +760,11 @@ def permute(
             their square. None: one search per group, however wide.
         max_channels: skip groups wider than this (None: no limit).
         progress: show a tqdm progress bar over the searches.
-        print_fn: if given, called with a one-line summary per group.
+        print_fn: if given, called with a one-line summary per channel space.
 
     Returns:
-        `(permuted_model, reports)`: a new model and one `PermutationReport` per group.
+        `(permuted_model, reports)`: a new model and one `PermutationReport` per channel
+            space.
 
     Raises:
         TypeError: for a subclassed model or a non-model.
@@ -757,29 +794,31 @@ def permute(
     for plan in bar if bar is not None else plans:
         perm = search_permutation(plan.rows, axis=1, kicks=kicks, seed=seed,
                                   block_channels=block_channels)
-        _apply(copy.get_layer(plan.producer), [copy.get_layer(t) for t in plan.through],
-               [copy.get_layer(c) for c in plan.consumers], perm)
+        _apply(*([copy.get_layer(n) for n in names]
+                 for names in (plan.producers, plan.through, plan.consumers)), perm)
         reports.append(PermutationReport(
-            plan.producer, tuple(plan.consumers), len(perm), True, "", kept_magnitude(plan.rows),
-            kept_magnitude(plan.rows, perm), permutation_efficacy(plan.rows, perm)))
+            plan.producers[0], tuple(plan.consumers), len(perm), True, "",
+            kept_magnitude(plan.rows), kept_magnitude(plan.rows, perm),
+            permutation_efficacy(plan.rows, perm), tuple(plan.producers)))
     if print_fn is not None:
         for r in reports:
             what = (f"kept |w| {r.kept_before:.4g} -> {r.kept_after:.4g} (+{r.gain_percent:.2f}%, "
                     f"efficacy {r.efficacy:.1f}%)" if r.permuted else f"skipped: {r.reason}")
-            print_fn(f"{r.producer or '-'} -> {', '.join(r.consumers)} [{r.channels} ch]: {what}")
+            print_fn(f"{'+'.join(r.producers) or '-'} -> {', '.join(r.consumers)} [{r.channels} ch]: {what}")
     return copy, reports
 
 
-def _apply(producer, through, consumers, perm: np.ndarray) -> None:
-    """Permutes the producer's output channels, per-channel weights and consumers' input
-    channels."""
+def _apply(producers, through, consumers, perm: np.ndarray) -> None:
+    """Permutes the producers' output channels, the per-channel weights in between and the
+    consumers' input channels (a layer can be both: `x + conv(x)`)."""
 
     def take(variable, axis: int) -> None:
         variable.assign(np.take(variable.numpy(), perm, axis=axis))
 
-    take(_output_kernel(producer), -1)
-    if getattr(producer, "bias", None) is not None:
-        take(producer.bias, 0)
+    for layer in producers:
+        take(_output_kernel(layer), -1)
+        if getattr(layer, "bias", None) is not None:
+            take(layer.bias, 0)
     for layer in through:
         # BatchNormalization/LayerNormalization: all [C]; depthwise: kernel [..., C, 1], bias [C].
         for variable in layer.weights:
