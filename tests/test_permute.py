@@ -372,6 +372,43 @@ def test_permute_through_depthwise_convs_and_from_separable_convs():
     assert head1d.permuted and head1d.producer == "sep1d"
 
 
+def test_permute_separable_convs_as_consumers():
+    # Xception's entry flow: separable convs read the channels (depthwise filters, then the
+    # pointwise kernel that 2:4 prunes); a depth multiplier of 2 interleaves them and stops.
+    inputs = keras.Input((8, 8, 4))
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(
+        keras.layers.Conv2D(8, 1, name="c0")(inputs)))
+    y = keras.layers.SeparableConv2D(16, 3, padding="same", name="sep1")(x)
+    y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))
+    y = keras.layers.SeparableConv2D(16, 3, padding="same", name="sep2")(y)
+    y = keras.layers.BatchNormalization()(y)
+    x = keras.layers.Add()([keras.layers.Conv2D(16, 1, name="short")(x), y])
+    x = keras.layers.SeparableConv2D(8, 3, depth_multiplier=2, name="sep_dm2")(x)
+    outputs = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling2D()(x))
+    model = keras.Model(inputs, outputs)
+    _randomize(model, seed=9)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(4, 8, 8, 4))
+    report_of = {c: r for r in reports for c in r.consumers}
+    entry = report_of["sep1"]
+    assert entry.permuted and entry.producers == ("c0",) and set(entry.consumers) == {"sep1", "short"}
+    kept = [kept_magnitude(channel_matrix(k, 2)) for k in (
+        model.get_layer("sep1").pointwise_kernel.numpy(),
+        model.get_layer("short").kernel.numpy())]
+    assert entry.kept_before == pytest.approx(sum(kept))
+    for name in ("depthwise_kernel", "pointwise_kernel"):
+        assert not np.array_equal(getattr(permuted.get_layer("sep1"), name).numpy(),
+                                  getattr(model.get_layer("sep1"), name).numpy())
+    assert report_of["sep2"].permuted and report_of["sep2"].producers == ("sep1",)
+    # The residual stream reaches only sep_dm2, not a consumer permute() can reorder: untouched.
+    assert not {"short", "sep2"} & {p for r in reports for p in r.producers}
+    short = [m.get_layer("short").kernel.numpy() for m in (model, permuted)]
+    np.testing.assert_array_equal(*(np.sort(k, axis=2) for k in short))  # input axis only
+    assert report_of["head"].permuted and report_of["head"].producers == ("sep_dm2",)
+
+
 def test_permute_sequential_and_errors():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])

@@ -421,7 +421,8 @@ _MERGE = {"Add", "Subtract", "Average", "Maximum", "Minimum", "Multiply"}
 _PER_CHANNEL = {"BatchNormalization", "LayerNormalization"}  # 1-D [C] weights, permuted too
 # Per-channel spatial filters (depth_multiplier 1): kernel [..., C, 1] and bias [C], permuted too.
 _DEPTHWISE = {"DepthwiseConv1D", "DepthwiseConv2D"}
-_SEPARABLE = {"SeparableConv1D", "SeparableConv2D"}  # producers only: pointwise_kernel [..., out]
+# Depthwise then pointwise: depthwise_kernel [..., C, multiplier], pointwise_kernel [..., C * m, out].
+_SEPARABLE = {"SeparableConv1D", "SeparableConv2D"}
 _KERNEL_LAYERS = {"Dense", "Conv1D", "Conv2D", "Conv3D"}  # producers and consumers
 _MODEL_INPUT = "<model input>"  # source of a Sequential model's first layer
 
@@ -548,21 +549,25 @@ def _shared(graph: _Graph, name: str) -> str:
     return ""
 
 
-def _kernel_axis(layer) -> int | None:
-    """Input-channel axis of a Dense/ConvND kernel that permute() can handle, else None."""
+def _input_kernel(layer):
+    """The kernel whose input-channel axis (-2) reads `layer`'s input, if permute() can reorder it:
+    a Dense/ConvND kernel (channels_last, groups=1) or a SeparableConv's pointwise kernel
+    (depth_multiplier 1; its depthwise filters are reordered with it)."""
     kind = type(layer).__name__
-    if kind not in _KERNEL_LAYERS or not getattr(layer, "built", False):
+    if (not getattr(layer, "built", False)
+            or getattr(layer, "data_format", "channels_last") != "channels_last"):
         return None
-    if kind != "Dense" and (getattr(layer, "data_format", "channels_last") != "channels_last"
-                            or getattr(layer, "groups", 1) != 1):
-        return None
-    return layer.kernel.ndim - 2
+    if kind in _KERNEL_LAYERS and getattr(layer, "groups", 1) == 1:
+        return layer.kernel
+    if kind in _SEPARABLE and layer.depth_multiplier == 1:
+        return layer.pointwise_kernel
+    return None
 
 
 def _output_kernel(layer):
     """The kernel whose last axis is `layer`'s output channels, if permute() can reorder them."""
-    if _kernel_axis(layer) is not None:
-        return layer.kernel
+    if type(layer).__name__ in _KERNEL_LAYERS:
+        return _input_kernel(layer)
     if (type(layer).__name__ in _SEPARABLE and layer.built
             and layer.data_format == "channels_last"):
         return layer.pointwise_kernel
@@ -653,7 +658,7 @@ def _space(graph: _Graph, consumer: str) -> _Space:
             op = graph.ops[user]
             if why := _shared(graph, user):
                 reasons.append(f"channels reach {_describe(op)}, which {why}")
-            elif _kernel_axis(op) is not None:
+            elif _input_kernel(op) is not None:
                 consumers.add(user)
             elif _passes(op) or _merges(op):
                 carry(user)
@@ -670,14 +675,14 @@ def _space(graph: _Graph, consumer: str) -> _Space:
 
 
 def _channel_rows(layers: list[keras.layers.Layer]) -> np.ndarray:
-    """The consumers' kernels as one `[rows, channels]` matrix (ASP's orientation).
+    """The consumers' input kernels as one `[rows, channels]` matrix (ASP's orientation).
 
     Raises:
         ValueError: naming the first layer whose kernel has NaN/Inf.
     """
     rows = []
     for layer in layers:
-        kernel = layer.kernel.numpy()
+        kernel = _input_kernel(layer).numpy()
         if not np.all(np.isfinite(kernel)):
             raise ValueError(
                 f"permute(): the kernel of layer {layer.name!r} contains NaN/Inf; cannot search a "
@@ -694,7 +699,7 @@ def _plan(
     skipped ones; one per space that has a selected consumer."""
     plans, reports, done = [], [], set()
     for name, op in graph.ops.items():
-        if (name in done or _kernel_axis(op) is None
+        if (name in done or _input_kernel(op) is None
                 or (selectors and not _matches(op, selectors))):
             continue
         if why := _shared(graph, name):
@@ -733,15 +738,15 @@ def permute(
     """Returns a copy of `model` with input channels reordered to keep more magnitude under 2:4.
 
     For each channel space (a set of channels that Dense/ConvND or SeparableConv "producers" write
-    and Dense/ConvND "consumers" read, through activations, dropout, pooling, reshapes that keep
-    the last axis, BatchNormalization, LayerNormalization, depthwise convolutions with
-    depth_multiplier 1, and elementwise merges such as residual adds and squeeze-excite products,
-    which join their inputs' spaces), searches one channel order for all the consumers' kernels
-    together (`search_permutation`) and applies it to the consumers' kernel input axis, every
-    producer's (pointwise) kernel output axis and bias, and every per-channel weight in between.
-    The copy (made as `tf_sparse24.prune` makes its copies) computes the same function as `model`
-    (up to float rounding) but its 2:4 masks keep more. Run it on the trained dense model, before
-    `tf_sparse24.prune`. The caller's model is not changed.
+    and Dense/ConvND or SeparableConv (depth_multiplier 1) "consumers" read, through activations,
+    dropout, pooling, reshapes that keep the last axis, BatchNormalization, LayerNormalization,
+    depthwise convolutions with depth_multiplier 1, and elementwise merges such as residual adds and
+    squeeze-excite products, which join their inputs' spaces), searches one channel order for all
+    the consumers' kernels together (`search_permutation`) and applies it to the consumers' kernel
+    input axis (and depthwise filters), every producer's (pointwise) kernel output axis and bias,
+    and every per-channel weight in between. The copy (made as `tf_sparse24.prune` makes its copies)
+    computes the same function as `model` (up to float rounding) but its 2:4 masks keep more. Run it
+    on the trained dense model, before `tf_sparse24.prune`. The caller's model is not changed.
 
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
     concatenation, a shared layer (called twice, or also inside a nested model), a keras op
@@ -824,4 +829,8 @@ def _apply(producers, through, consumers, perm: np.ndarray) -> None:
         for variable in layer.weights:
             take(variable, 0 if variable.ndim == 1 else variable.ndim - 2)
     for layer in consumers:
-        take(layer.kernel, layer.kernel.ndim - 2)
+        kernels = [_input_kernel(layer)]
+        if type(layer).__name__ in _SEPARABLE:
+            kernels.append(layer.depthwise_kernel)  # [..., C, 1]
+        for kernel in kernels:
+            take(kernel, kernel.ndim - 2)
