@@ -1,0 +1,72 @@
+"""How much of a real architecture `tf_sparse24.permute` reaches, and that it keeps the function.
+
+For each keras.applications model (random weights: nothing is downloaded; 32x32x3 inputs unless
+--size says otherwise, 10 classes; BatchNorm statistics randomized so that a misaligned channel
+would show; float64 so that rounding does not hide one): the channel spaces permuted and skipped
+(with the most common skip reasons), how many of the model's Dense/Conv/SeparableConv layers read a
+permuted space (their input channels reordered: what 2:4 groups), permute's wall time, and the
+largest |output difference| between the model and its permuted copy.
+
+    .venv/bin/python bench/permute_coverage.py                        # ResNet50 MobileNetV2 EfficientNetB0
+    .venv/bin/python bench/permute_coverage.py Xception --size 71     # Xception needs >= 71x71
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import keras
+import numpy as np
+
+CONSUMERS = ("Dense", "Conv1D", "Conv2D", "Conv3D", "SeparableConv1D", "SeparableConv2D")
+
+
+def randomize_batch_norm(model: keras.Model, rng: np.random.Generator) -> None:
+    """gamma and moving variance in [0.5, 1.5), beta and moving mean ~ N(0, 0.3)."""
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            names = [w.path.rsplit("/", 1)[-1] for w in layer.weights]
+            layer.set_weights([rng.uniform(0.5, 1.5, w.shape) if n in ("gamma", "moving_variance")
+                               else rng.normal(0, 0.3, w.shape)
+                               for n, w in zip(names, layer.get_weights())])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=["ResNet50", "MobileNetV2", "EfficientNetB0"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", type=int, default=32, help="input height and width")
+    args = parser.parse_args()
+    keras.config.set_floatx("float64")
+    import tf_sparse24
+
+    print("| model | spaces permuted / skipped | Dense/Conv/SeparableConv layers read a permuted space | "
+          "permute s | max abs output diff (output scale) |")
+    print("| --- | --- | --- | --- | --- |")
+    notes = []
+    for name in args.models:
+        keras.utils.set_random_seed(args.seed)
+        rng = np.random.default_rng(args.seed)
+        model = getattr(keras.applications, name)(
+            weights=None, input_shape=(args.size, args.size, 3), classes=10)
+        randomize_batch_norm(model, rng)
+        x = rng.normal(size=(2, args.size, args.size, 3))
+        start = time.perf_counter()
+        permuted, reports = tf_sparse24.permute(model, seed=args.seed, progress=False)
+        seconds = time.perf_counter() - start
+        kernels = sum(type(layer).__name__ in CONSUMERS for layer in model.layers)
+        done = [r for r in reports if r.permuted]
+        before = np.asarray(model(x, training=False))
+        diff = np.abs(np.asarray(permuted(x, training=False)) - before).max()
+        print(f"| {name} | {len(done)} / {len(reports) - len(done)} | "
+              f"{sum(len(r.consumers) for r in done)} of {kernels} | {seconds:.0f} | "
+              f"{diff:.1e} ({np.abs(before).max():.1e}) |", flush=True)
+        reasons = collections.Counter(r.reason for r in reports if not r.permuted)
+        notes += [f"{name}: {n} x {reason}" for reason, n in reasons.most_common(3)]
+    print("\nMost common skip reasons:\n" + "\n".join(notes))
+
+
+if __name__ == "__main__":
+    main()
