@@ -1,0 +1,121 @@
+"""Tests for tf_sparse24.recalibrate_batch_norm: statistics against a numpy float64 reference."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_masks import reference_mask
+
+import tf_sparse24
+
+EPS = 1e-3  # BatchNormalization's default epsilon
+
+
+def _model():
+    inputs = keras.Input((6, 6, 4))
+    y1 = keras.layers.Conv2D(8, 3, name="conv1")(inputs)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization(name="bn1")(y1))
+    y2 = keras.layers.Conv2D(8, 1, name="conv2")(x)
+    bn2 = keras.layers.BatchNormalization(name="bn2")
+    bn2.trainable = False  # frozen: still recalibrated
+    x = keras.layers.GlobalAveragePooling2D()(bn2(y2))
+    model = keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+    rng = np.random.default_rng(0)
+    model.set_weights([rng.normal(size=w.shape).astype("float32") for w in model.get_weights()])
+    for name in ("bn1", "bn2"):  # stale statistics, as after pruning a trained model
+        layer = model.get_layer(name)
+        layer.moving_variance.assign(rng.uniform(0.5, 2.0, 8).astype("float32"))
+    return tf_sparse24.prune(model)
+
+
+def _reference_statistics(model, x, batch_size):
+    """Size-weighted averages of each batch's moments of bn1's and bn2's inputs, in float64:
+    conv2 and bn1's training-mode normalization in numpy (bn1's input from the pruned conv1)."""
+    conv1_out = keras.Model(model.input, model.get_layer("bn1").input)
+    gamma, beta = (w.astype("float64") for w in model.get_layer("bn1").get_weights()[:2])
+    conv2 = model.get_layer("sparse24_conv2")
+    raw = conv2.layer.kernel.numpy().astype("float64")
+    kernel = (raw * reference_mask(raw, 2, 4, axis=2))[0, 0]  # pruned at its input channels
+    bias = conv2.layer.bias.numpy().astype("float64")
+    sums = {"bn1": [0, 0], "bn2": [0, 0]}
+    for start in range(0, len(x), batch_size):
+        y1 = np.asarray(conv1_out(x[start:start + batch_size])).astype("float64")
+        rows = len(y1)
+        m1, v1 = y1.mean(axis=(0, 1, 2)), y1.var(axis=(0, 1, 2))
+        h = np.maximum((y1 - m1) / np.sqrt(v1 + EPS) * gamma + beta, 0)
+        y2 = h @ kernel + bias
+        for name, (m, v) in (("bn1", (m1, v1)), ("bn2", (y2.mean((0, 1, 2)), y2.var((0, 1, 2))))):
+            sums[name][0] = sums[name][0] + rows * m
+            sums[name][1] = sums[name][1] + rows * v
+    return {name: (s[0] / len(x), s[1] / len(x)) for name, s in sums.items()}
+
+
+def _statistics(model):
+    return {n: [w.numpy() for w in (model.get_layer(n).moving_mean,
+                                    model.get_layer(n).moving_variance)] for n in ("bn1", "bn2")}
+
+
+@pytest.mark.parametrize("source", ["array", "dataset"])
+def test_recalibration_sets_size_weighted_batch_moments(source):
+    model = _model()
+    assert isinstance(model.get_layer("sparse24_conv2"), tf_sparse24.Sparse24)
+    x = np.random.default_rng(1).normal(size=(100, 6, 6, 4)).astype("float32")  # 32+32+32+4
+    weights = [w.copy() for w in model.get_weights() if w.ndim > 1]
+    data = x if source == "array" else tf.data.Dataset.from_tensor_slices(
+        (x, np.zeros(100))).batch(32)
+
+    names = tf_sparse24.recalibrate_batch_norm(model, data, batch_size=32)
+
+    assert sorted(names) == ["bn1", "bn2"]
+    expected = _reference_statistics(model, x, 32)
+    for name, (mean, variance) in _statistics(model).items():
+        np.testing.assert_allclose(mean, expected[name][0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(variance, expected[name][1], rtol=1e-4, atol=1e-5)
+    assert model.get_layer("bn1").momentum == 0.99 and not model.get_layer("bn2").trainable
+    for before, after in zip(weights, [w for w in model.get_weights() if w.ndim > 1]):
+        np.testing.assert_array_equal(before, after)  # no weight changed
+
+
+def test_steps_limits_the_batches():
+    model = _model()
+    x = np.random.default_rng(2).normal(size=(96, 6, 6, 4)).astype("float32")
+    tf_sparse24.recalibrate_batch_norm(model, x, batch_size=32, steps=1)
+    expected = _reference_statistics(model, x[:32], 32)
+    np.testing.assert_allclose(_statistics(model)["bn1"][0], expected["bn1"][0], rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_a_failing_batch_restores_every_statistic_and_setting():
+    model = _model()
+    before = _statistics(model)
+    good = np.zeros((8, 6, 6, 4), "float32") + 1.0
+
+    def batches():
+        yield good
+        yield np.zeros((8, 5, 5, 4), "float32")  # wrong shape: the model raises
+
+    with pytest.raises(ValueError):
+        tf_sparse24.recalibrate_batch_norm(model, batches())
+    for name, stats in _statistics(model).items():
+        for a, b in zip(stats, before[name]):
+            np.testing.assert_array_equal(a, b)
+    assert model.get_layer("bn2").momentum == 0.99 and not model.get_layer("bn2").trainable
+
+
+def test_bad_input_is_refused_before_anything_changes():
+    model = _model()
+    before = _statistics(model)
+    with pytest.raises(ValueError, match="yielded no batch"):
+        tf_sparse24.recalibrate_batch_norm(model, iter([]))
+    with pytest.raises(ValueError, match="positive"):
+        tf_sparse24.recalibrate_batch_norm(model, np.zeros((4, 6, 6, 4)), batch_size=0)
+    renorm = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(renorm=True,
+                                                                                  name="rn")])
+    with pytest.raises(ValueError, match=r"\['rn'\] use renorm=True"):
+        tf_sparse24.recalibrate_batch_norm(renorm, np.zeros((4, 4)))
+    with pytest.warns(UserWarning, match="no BatchNormalization"):
+        assert tf_sparse24.recalibrate_batch_norm(
+            keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), np.zeros((4, 4))) == []
+    for name, stats in _statistics(model).items():
+        for a, b in zip(stats, before[name]):
+            np.testing.assert_array_equal(a, b)
