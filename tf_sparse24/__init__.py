@@ -4,46 +4,26 @@ Prune a trained model to 2:4 by magnitude, fine-tune it with masks held fixed, a
 compressed weights. The package reads top-down: masks -> wrapper -> prune -> callback -> ops -> export.
 """
 
+from tf_sparse24.masks import MASK_METHODS, compute_mask, is_nm_sparse, parse_pattern
+from tf_sparse24.wrapper import PrunedWeight, Sparse24
+from tf_sparse24.prune import eligible_weights, prune, pruned_layers, report, strip
 from tf_sparse24.batchnorm import recalibrate_batch_norm
 from tf_sparse24.callbacks import Sparse24Callback
-from tf_sparse24.export import export, load
-from tf_sparse24.masks import MASK_METHODS, compute_mask, is_nm_sparse, parse_pattern
-from tf_sparse24.metadata import ExportError
 from tf_sparse24.ops import CompressedWeight, compress, decompress, sparse_matmul
+from tf_sparse24.export import export, load
+from tf_sparse24.metadata import ExportError
+from tf_sparse24.verify import describe as describe_export, verify as verify_export
 from tf_sparse24.permute import PermutationReport, permute, search_permutation
-from tf_sparse24.prune import eligible_weights, prune, pruned_layers, report, strip
 from tf_sparse24.srste import SRSTE
-from tf_sparse24.verify import describe as describe_export
-from tf_sparse24.verify import verify as verify_export
-from tf_sparse24.wrapper import PrunedWeight, Sparse24
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MASK_METHODS",
-    "SRSTE",
-    "CompressedWeight",
-    "ExportError",
-    "PermutationReport",
-    "PrunedWeight",
-    "Sparse24",
+    "MASK_METHODS", "compute_mask", "is_nm_sparse", "parse_pattern",
+    "PrunedWeight", "Sparse24", "SRSTE",
+    "eligible_weights", "prune", "pruned_layers", "report", "strip", "recalibrate_batch_norm",
     "Sparse24Callback",
-    "compress",
-    "compute_mask",
-    "decompress",
-    "describe_export",
-    "eligible_weights",
-    "export",
-    "is_nm_sparse",
-    "load",
-    "parse_pattern",
-    "permute",
-    "prune",
-    "pruned_layers",
-    "recalibrate_batch_norm",
-    "report",
-    "search_permutation",
-    "sparse_matmul",
-    "strip",
-    "verify_export",
+    "CompressedWeight", "compress", "decompress", "sparse_matmul",
+    "PermutationReport", "permute", "search_permutation",
+    "ExportError", "describe_export", "export", "load", "verify_export",
 ]
