@@ -318,6 +318,23 @@ def test_permute_through_squeeze_excite_products():
     assert "'gated' (Multiply)" in report_of["out"].reason
 
 
+def test_permute_a_layer_that_reads_and_writes_the_same_channels():
+    inputs = keras.Input((8,))
+    h = keras.layers.ReLU()(keras.layers.Dense(16, name="d0")(inputs))
+    x = keras.layers.Add()([h, keras.layers.Dense(16, name="d1")(h)])  # x + d1(x): both axes
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d2")(x))
+    _randomize(model, seed=13)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 8))
+    space = next(r for r in reports if r.permuted)
+    assert set(space.producers) == {"d0", "d1"} and set(space.consumers) == {"d1", "d2"}
+    before, after = (m.get_layer("d1").kernel.numpy() for m in (model, permuted))
+    assert not np.array_equal(np.sort(before, axis=0), np.sort(after, axis=0))  # columns moved
+    np.testing.assert_array_equal(np.sort(before, axis=None), np.sort(after, axis=None))
+
+
 def test_permute_skips_a_residual_add_of_the_model_input():
     inputs = keras.Input((16,))
     x = keras.layers.Dense(16, name="d0")(inputs)
