@@ -211,6 +211,7 @@ def test_permute_conv_bn_chain_with_siblings_and_a_concatenation():
     right = keras.layers.Conv2D(8, 1, name="c5")(c)
     right = keras.layers.Cropping2D(1)(right)
     merged = keras.layers.Concatenate(name="cat")([left, right])
+    merged = keras.layers.BatchNormalization(name="bn_cat")(merged)
     outputs = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling2D()(merged))
     model = keras.Model(inputs, outputs)
     _randomize(model, seed=2)
@@ -224,10 +225,72 @@ def test_permute_conv_bn_chain_with_siblings_and_a_concatenation():
     after = sum(_kept_in_layer(permuted.get_layer(n)) for n in ("c4", "c5"))
     before = sum(_kept_in_layer(model.get_layer(n)) for n in ("c4", "c5"))
     assert group.kept_after == pytest.approx(after) and after >= before
-    head = {r.consumers: r for r in reports}[("head",)]
-    assert not head.permuted and head.reason == (
-        "its input channels come from 'cat' (Concatenate), which combines several inputs (a "
-        "concatenation or a merge of unequal channels)")
+    # The head reads c4's channels at input channels 0-7 and c5's at 8-15: two spaces, each
+    # reordered inside its own slice of the head's kernel and of the BatchNorm after the concat.
+    head = model.get_layer("head").kernel.numpy()
+    for producer, rows in (("c4", slice(0, 8)), ("c5", slice(8, 16))):
+        r = by_producer[producer]
+        assert r.permuted and r.consumers == ("head",) and r.channels == 8
+        assert r.kept_before == pytest.approx(kept_magnitude(head[rows].T))
+        assert r.kept_after == pytest.approx(
+            kept_magnitude(permuted.get_layer("head").kernel.numpy()[rows].T))
+
+
+def test_permute_dense_blocks_reorder_each_layers_slice_of_the_concatenations():
+    # DenseNet: every layer's output is concatenated onto the block's running tensor and read by
+    # every later layer of the block and by the transition, at the same input channels.
+    inputs = keras.Input((6, 6, 4))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="stem")(inputs)
+    for i in range(3):
+        y = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+        y = keras.layers.Conv2D(8, 1, name=f"b{i}_1x1")(y)
+        y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))
+        y = keras.layers.Conv2D(8, 3, padding="same", name=f"b{i}_3x3")(y)
+        x = keras.layers.Concatenate(name=f"cat{i}")([x, y])
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization(name="bn_t")(x))
+    x = keras.layers.Conv2D(12, 1, name="transition")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="head")(
+        keras.layers.GlobalAveragePooling2D()(x)))
+    _randomize(model, seed=4)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(4, 6, 6, 4, seed=5))
+    by_producer = {r.producer: r for r in reports if r.permuted}
+    assert set(by_producer["stem"].consumers) == {"b0_1x1", "b1_1x1", "b2_1x1", "transition"}
+    assert set(by_producer["b0_3x3"].consumers) == {"b1_1x1", "b2_1x1", "transition"}
+    assert by_producer["b2_3x3"].consumers == ("transition",)
+    for producer, start in (("stem", 0), ("b0_3x3", 8), ("b1_3x3", 16), ("b2_3x3", 24)):
+        r = by_producer[producer]  # the consumers' input channels start..start+7, searched as one
+        rows = np.concatenate([_channel_slice(model, n, start) for n in r.consumers])
+        assert r.kept_before == pytest.approx(kept_magnitude(rows))
+        after = np.concatenate([_channel_slice(permuted, n, start) for n in r.consumers])
+        assert r.kept_after == pytest.approx(kept_magnitude(after)) and r.kept_after > r.kept_before
+    assert [r.consumers for r in reports if not r.permuted] == [("stem",)]
+
+
+def _channel_slice(model, name, start):
+    """`name`'s kernel as ASP rows over the 8 input channels from `start`."""
+    kernel = model.get_layer(name).kernel.numpy()
+    return channel_matrix(kernel, kernel.ndim - 2)[:, start:start + 8]
+
+
+def test_permute_skips_concatenated_channels_that_would_share_a_group():
+    inputs = keras.Input((12,))
+    a = keras.layers.Dense(6, name="a")(inputs)  # 6 channels, then b's at input channels 6-13
+    b = keras.layers.Dense(8, name="b")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(
+        keras.layers.Concatenate()([a, b])))
+    _randomize(model, seed=6)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(8, 12))
+    by_producer = {r.producer: r for r in reports}
+    assert by_producer["a"].reason == "6 channels, not a multiple of 4"
+    assert by_producer["b"].reason == (
+        "channels reach 'head' (Dense) at input channel 6, not a multiple of 4")
+    assert not any(r.permuted for r in reports)
 
 
 def _residual_stage(inputs, blocks, width, prefix):
@@ -313,8 +376,8 @@ def test_permute_through_squeeze_excite_products():
     assert report_of["se_expand"].permuted and report_of["se_expand"].producers == ("se_reduce",)
     gated = report_of["gate"]
     assert not gated.permuted and gated.consumers == ("gate",) and gated.reason == (
-        "channels reach 'gated' (Multiply), which combines several inputs (a concatenation or a "
-        "merge of unequal channels)")
+        "channels reach 'gated' (Multiply), which combines several inputs (a merge of unequal "
+        "channels or a concatenation along another axis)")
     assert "'gated' (Multiply)" in report_of["out"].reason
 
 
@@ -410,7 +473,8 @@ def test_permute_separable_convs_as_consumers():
     _assert_same_function(model, permuted, _x(4, 8, 8, 4))
     report_of = {c: r for r in reports for c in r.consumers}
     entry = report_of["sep1"]
-    assert entry.permuted and entry.producers == ("c0",) and set(entry.consumers) == {"sep1", "short"}
+    assert entry.permuted and entry.producers == ("c0",)
+    assert set(entry.consumers) == {"sep1", "short"}
     kept = [kept_magnitude(channel_matrix(k, 2)) for k in (
         model.get_layer("sep1").pointwise_kernel.numpy(),
         model.get_layer("short").kernel.numpy())]

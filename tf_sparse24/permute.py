@@ -421,7 +421,7 @@ _MERGE = {"Add", "Subtract", "Average", "Maximum", "Minimum", "Multiply"}
 _PER_CHANNEL = {"BatchNormalization", "LayerNormalization"}  # 1-D [C] weights, permuted too
 # Per-channel spatial filters (depth_multiplier 1): kernel [..., C, 1] and bias [C], permuted too.
 _DEPTHWISE = {"DepthwiseConv1D", "DepthwiseConv2D"}
-# Depthwise then pointwise: depthwise_kernel [..., C, multiplier], pointwise_kernel [..., C * m, out].
+# Depthwise then pointwise: depthwise_kernel [..., C, m], pointwise_kernel [..., C * m, out].
 _SEPARABLE = {"SeparableConv1D", "SeparableConv2D"}
 _KERNEL_LAYERS = {"Dense", "Conv1D", "Conv2D", "Conv3D"}  # producers and consumers
 _MODEL_INPUT = "<model input>"  # source of a Sequential model's first layer
@@ -464,11 +464,13 @@ class _Graph(NamedTuple):
 
 
 class _Plan(NamedTuple):
-    """One channel space to permute: layer names and the consumers' kernels as `[rows, channels]`."""
+    """One channel space to permute: layer name -> offset of the space's `channels` in the
+    layer's channel axis, and the consumers' kernels as `[rows, channels]`."""
 
-    producers: list[str]
-    through: list[str]
-    consumers: list[str]
+    producers: dict[str, int]
+    through: dict[str, int]
+    consumers: dict[str, int]
+    channels: int
     rows: np.ndarray
 
 
@@ -538,14 +540,16 @@ def _describe(op) -> str:
 def _shared(graph: _Graph, name: str) -> str:
     """Why `name`'s channels cannot be followed through it ('' when they can): it is called more
     than once, is also used inside another layer, or combines several inputs other than by a
-    channel-wise merge."""
+    channel-wise merge or a concatenation along the channels."""
     nodes = graph.inputs.get(name, [])
     if len(nodes) > 1:
         return f"is shared (called {len(nodes)} times)"
     if name in graph.hidden:
         return "is shared (also used inside a nested model)"
-    if len(nodes) == 1 and len(nodes[0]) != 1 and not _merges(graph.ops[name]):
-        return "combines several inputs (a concatenation or a merge of unequal channels)"
+    op = graph.ops[name]
+    if len(nodes) == 1 and len(nodes[0]) != 1 and not (_merges(op) or _segments(op)):
+        return ("combines several inputs (a merge of unequal channels or a concatenation along "
+                "another axis)")
     return ""
 
 
@@ -600,6 +604,17 @@ def _merges(layer) -> bool:
     return channels is not None and all(t.shape[-1] == channels for t in layer.input)
 
 
+def _segments(layer) -> list[int]:
+    """Where each input's channels start in a channel-axis Concatenate layer's output, and its
+    width last (`[0, w0, w0 + w1, ...]`); empty for anything else."""
+    if not isinstance(layer, keras.layers.Layer) or type(layer).__name__ != "Concatenate":
+        return []
+    widths = [t.shape[-1] for t in layer.input]
+    if layer.axis not in (-1, len(layer.output.shape) - 1) or None in widths:
+        return []
+    return list(itertools.accumulate(widths, initial=0))
+
+
 def _frozen(layer: keras.layers.Layer) -> str:
     """Why `layer`'s weights cannot be permuted as plain arrays ('' when they can)."""
     if quantized_layers(layer):
@@ -611,46 +626,68 @@ def _frozen(layer: keras.layers.Layer) -> str:
 
 
 class _Space(NamedTuple):
-    """The layers that share one channel space (one order of the same channels), graph order."""
+    """The layers that share one channel space (one order of the same `channels`): name -> offset
+    of those channels in the layer's channel axis (non-zero past a concatenation), graph order."""
 
-    producers: list[str]  # whose (pointwise) kernel's output axis carries the channels
-    through: list[str]  # pass-through and merge layers on the way
-    consumers: list[str]  # whose kernel's input axis reads them
+    producers: dict[str, int]  # whose (pointwise) kernel's output axis carries the channels
+    through: dict[str, int]  # pass-through, merge and concatenation layers on the way
+    consumers: dict[str, int]  # whose kernel's input axis reads them
+    channels: int
+    carriers: set[str]  # layers whose whole output is the space (seeds of the same space)
     reason: str  # why the space cannot be permuted ('' when it can)
 
 
-def _space(graph: _Graph, consumer: str) -> _Space:
-    """The channel space `consumer` reads: everything that must be permuted with its input.
+def _space(graph: _Graph, seed: str) -> _Space:
+    """The channel space that starts at `seed`'s output: everything permuted with it.
 
-    Walks back from the consumer's input and forward from every layer that carries the channels:
-    through pass-through layers, and across channel-wise merges to all their inputs (so a residual
-    add joins both branches' producers and all consumers of its sum). Stops at anything else; the
-    first such stop is the reason the space is skipped.
+    Walks forward from every layer that carries the channels, and back from each: through
+    pass-through layers, across channel-wise merges to all their inputs (a residual add joins both
+    branches' producers and all readers of the sum), and through channel-axis concatenations as a
+    slice at an offset (DenseNet: one layer's channels, read by every later layer of its block).
+    Stops at anything else; the first such stop is the reason the space is skipped.
     """
-    producers, through, consumers, reasons = set(), set(), {consumer}, []
-    carriers: list[str] = []  # operations whose output carries the channels
+    producers, through, consumers, reasons = {}, {}, {}, []
+    carriers, channels, whole = {seed: 0}, 0, set()
+    queue = [seed]
 
-    def carry(name: str) -> None:
+    def carry(name: str, offset: int) -> None:
         if name not in carriers:
-            carriers.append(name)
+            carriers[name] = offset
+            queue.append(name)
+        elif carriers[name] != offset:
+            reasons.append(f"channels reach {_describe(graph.ops[name])} at two offsets")
 
-    carry(graph.inputs[consumer][0][0])
-    for name in carriers:  # grows while iterating
-        op = graph.ops.get(name)
+    for name in queue:  # grows while iterating
+        offset, op = carriers[name], graph.ops.get(name)
         if op is None or isinstance(op, keras.layers.InputLayer):
             reasons.append("its input channels come from the model input")
             continue
         if why := _shared(graph, name):
             reasons.append(f"its input channels come from {_describe(op)}, which {why}")
             continue
+        if not channels and op.output.shape[-1] is None:
+            reasons.append(f"{_describe(op)} has an unknown number of channels")
+            continue
+        channels = channels or int(op.output.shape[-1])
+        if offset == 0 and op.output.shape[-1] == channels:
+            whole.add(name)
         if _output_kernel(op) is not None:
-            producers.add(name)
+            producers[name] = offset
         elif _passes(op) or _merges(op):
-            through.add(name)
+            through[name] = offset
             for source in graph.inputs[name][0]:
-                carry(source)
+                carry(source, offset)
+        elif starts := _segments(op):
+            through[name] = offset
+            inside = [i for i in range(len(starts) - 1)
+                      if starts[i] <= offset and offset + channels <= starts[i + 1]]
+            if not inside:
+                reasons.append(f"channels straddle two inputs of {_describe(op)}")
+                continue
+            carry(graph.inputs[name][0][inside[0]], offset - starts[inside[0]])
         else:
-            reasons.append(f"its input channels come from {_describe(op)}, which cannot be permuted")
+            reasons.append(
+                f"its input channels come from {_describe(op)}, which cannot be permuted")
             continue
         if name in graph.outputs:
             reasons.append(f"{name!r} is a model output")
@@ -659,36 +696,58 @@ def _space(graph: _Graph, consumer: str) -> _Space:
             if why := _shared(graph, user):
                 reasons.append(f"channels reach {_describe(op)}, which {why}")
             elif _input_kernel(op) is not None:
-                consumers.add(user)
+                if offset % 4:  # its groups of 4 would mix these channels with others
+                    reasons.append(f"channels reach {_describe(op)} at input channel {offset}, "
+                                   "not a multiple of 4")
+                consumers[user] = offset
             elif _passes(op) or _merges(op):
-                carry(user)
+                carry(user, offset)
+            elif starts := _segments(op):
+                at = [i for i, source in enumerate(graph.inputs[user][0]) if source == name]
+                if len(at) > 1:
+                    reasons.append(f"channels reach {_describe(op)} {len(at)} times")
+                carry(user, starts[at[0]] + offset)
             else:
                 reasons.append(f"channels reach {_describe(op)}, which cannot be permuted")
-    order = list(graph.ops)
-    producers, through, consumers = (sorted(group, key=order.index)
+    order = {name: i for i, name in enumerate(graph.ops)}
+    producers, through, consumers = (dict(sorted(group.items(), key=lambda item: order[item[0]]))
                                      for group in (producers, through, consumers))
     if not reasons and not producers:
         reasons.append("no Dense/Conv layer produces these channels")
     if not reasons:
         reasons += filter(None, (_frozen(graph.ops[n]) for n in [*producers, *through, *consumers]))
-    return _Space(producers, through, consumers, reasons[0] if reasons else "")
+    return _Space(producers, through, consumers, channels, whole, reasons[0] if reasons else "")
 
 
-def _channel_rows(layers: list[keras.layers.Layer]) -> np.ndarray:
-    """The consumers' input kernels as one `[rows, channels]` matrix (ASP's orientation).
+def _roots(graph: _Graph, name: str) -> list[str]:
+    """Where the channel spaces in `name`'s output start: back through pass-through layers and
+    into each input of a concatenation."""
+    op = graph.ops.get(name)
+    if op is None or isinstance(op, keras.layers.InputLayer) or _shared(graph, name):
+        return [name]
+    if _passes(op):
+        return _roots(graph, graph.inputs[name][0][0])
+    if _segments(op):
+        return list(dict.fromkeys(r for s in graph.inputs[name][0] for r in _roots(graph, s)))
+    return [name]
+
+
+def _channel_rows(graph: _Graph, consumers: dict[str, int], channels: int) -> np.ndarray:
+    """The consumers' input kernels, at their offsets, as one `[rows, channels]` matrix (ASP's
+    orientation).
 
     Raises:
         ValueError: naming the first layer whose kernel has NaN/Inf.
     """
     rows = []
-    for layer in layers:
-        kernel = _input_kernel(layer).numpy()
+    for name, offset in consumers.items():
+        kernel = _input_kernel(graph.ops[name]).numpy()
         if not np.all(np.isfinite(kernel)):
             raise ValueError(
-                f"permute(): the kernel of layer {layer.name!r} contains NaN/Inf; cannot search a "
+                f"permute(): the kernel of layer {name!r} contains NaN/Inf; cannot search a "
                 "channel order for it."
             )
-        rows.append(channel_matrix(kernel, kernel.ndim - 2))
+        rows.append(channel_matrix(kernel, kernel.ndim - 2)[:, offset:offset + channels])
     return np.concatenate(rows)
 
 
@@ -696,31 +755,32 @@ def _plan(
     graph: _Graph, selectors: list, max_channels: int | None
 ) -> tuple[list[_Plan], list[PermutationReport]]:
     """The channel spaces to permute (their kernels read and checked) and reports for the
-    skipped ones; one per space that has a selected consumer."""
-    plans, reports, done = [], [], set()
+    skipped ones; one per space that a selected consumer reads."""
+    plans, reports, seen = [], [], set()
     for name, op in graph.ops.items():
-        if (name in done or _input_kernel(op) is None
-                or (selectors and not _matches(op, selectors))):
+        if _input_kernel(op) is None or (selectors and not _matches(op, selectors)):
             continue
         if why := _shared(graph, name):
             reports.append(PermutationReport(None, (name,), 0, False, f"{_describe(op)} {why}"))
             continue
-        space = _space(graph, name)
-        done.update(space.consumers)
-        reason, channels = space.reason, 0
-        if space.producers:
-            channels = int(_output_kernel(graph.ops[space.producers[0]]).shape[-1])
-        if not reason and channels % 4:
-            reason = f"{channels} channels, not a multiple of 4"
-        if not reason and max_channels is not None and channels > max_channels:
-            reason = f"{channels} channels > max_channels={max_channels}"
-        if reason:
-            reports.append(PermutationReport(
-                space.producers[0] if space.producers else None, tuple(space.consumers), channels,
-                False, reason, producers=tuple(space.producers)))
-        else:
-            rows = _channel_rows([graph.ops[c] for c in space.consumers])
-            plans.append(_Plan(space.producers, space.through, space.consumers, rows))
+        for root in _roots(graph, graph.inputs[name][0][0]):
+            if root in seen:
+                continue
+            space = _space(graph, root)
+            seen.update(space.carriers)
+            reason, channels = space.reason, space.channels
+            if not reason and channels % 4:
+                reason = f"{channels} channels, not a multiple of 4"
+            if not reason and max_channels is not None and channels > max_channels:
+                reason = f"{channels} channels > max_channels={max_channels}"
+            if reason:
+                readers = tuple(space.consumers) if name in space.consumers else (name,)
+                reports.append(PermutationReport(
+                    next(iter(space.producers), None), readers, channels if space.producers else 0,
+                    False, reason, producers=tuple(space.producers)))
+            else:
+                rows = _channel_rows(graph, space.consumers, channels)
+                plans.append(_Plan(space.producers, space.through, space.consumers, channels, rows))
     return plans, reports
 
 
@@ -799,38 +859,43 @@ def permute(
     for plan in bar if bar is not None else plans:
         perm = search_permutation(plan.rows, axis=1, kicks=kicks, seed=seed,
                                   block_channels=block_channels)
-        _apply(*([copy.get_layer(n) for n in names]
-                 for names in (plan.producers, plan.through, plan.consumers)), perm)
+        _apply(copy, plan, perm)
         reports.append(PermutationReport(
-            plan.producers[0], tuple(plan.consumers), len(perm), True, "",
+            next(iter(plan.producers)), tuple(plan.consumers), len(perm), True, "",
             kept_magnitude(plan.rows), kept_magnitude(plan.rows, perm),
             permutation_efficacy(plan.rows, perm), tuple(plan.producers)))
     if print_fn is not None:
         for r in reports:
             what = (f"kept |w| {r.kept_before:.4g} -> {r.kept_after:.4g} (+{r.gain_percent:.2f}%, "
                     f"efficacy {r.efficacy:.1f}%)" if r.permuted else f"skipped: {r.reason}")
-            print_fn(f"{'+'.join(r.producers) or '-'} -> {', '.join(r.consumers)} [{r.channels} ch]: {what}")
+            print_fn(f"{'+'.join(r.producers) or '-'} -> {', '.join(r.consumers)} "
+                     f"[{r.channels} ch]: {what}")
     return copy, reports
 
 
-def _apply(producers, through, consumers, perm: np.ndarray) -> None:
-    """Permutes the producers' output channels, the per-channel weights in between and the
-    consumers' input channels (a layer can be both: `x + conv(x)`)."""
+def _apply(model: keras.Model, plan: _Plan, perm: np.ndarray) -> None:
+    """Permutes, at each layer's offset, the producers' output channels, the per-channel weights in
+    between and the consumers' input channels (a layer can be both: `x + conv(x)`)."""
 
-    def take(variable, axis: int) -> None:
-        variable.assign(np.take(variable.numpy(), perm, axis=axis))
+    def take(variable, axis: int, offset: int) -> None:
+        values = variable.numpy()
+        index = np.arange(values.shape[axis])
+        index[offset:offset + len(perm)] = offset + perm
+        variable.assign(np.take(values, index, axis=axis))
 
-    for layer in producers:
-        take(_output_kernel(layer), -1)
+    for name, offset in plan.producers.items():
+        layer = model.get_layer(name)
+        take(_output_kernel(layer), -1, offset)
         if getattr(layer, "bias", None) is not None:
-            take(layer.bias, 0)
-    for layer in through:
+            take(layer.bias, 0, offset)
+    for name, offset in plan.through.items():
         # BatchNormalization/LayerNormalization: all [C]; depthwise: kernel [..., C, 1], bias [C].
-        for variable in layer.weights:
-            take(variable, 0 if variable.ndim == 1 else variable.ndim - 2)
-    for layer in consumers:
+        for variable in model.get_layer(name).weights:
+            take(variable, 0 if variable.ndim == 1 else variable.ndim - 2, offset)
+    for name, offset in plan.consumers.items():
+        layer = model.get_layer(name)
         kernels = [_input_kernel(layer)]
         if type(layer).__name__ in _SEPARABLE:
             kernels.append(layer.depthwise_kernel)  # [..., C, 1]
         for kernel in kernels:
-            take(kernel, kernel.ndim - 2)
+            take(kernel, kernel.ndim - 2, offset)
