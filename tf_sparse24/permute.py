@@ -13,7 +13,8 @@ Two parts:
 - `permute(model)`: applies searches to a Keras Functional/Sequential model, permuting each
   eligible layer's input channels together with the output channels of the layers that produce
   them (kernel columns, bias, BatchNormalization parameters in between; across residual adds all
-  branches and all readers of the sum), and reports per-space gains and skip reasons.
+  branches and all readers of the sum; through concatenations as a slice), and reports per-space
+  gains and skip reasons.
 
 Metric (apex ASP's `permutation_tests`): efficacy = (lost_plain - lost_permuted) /
 (lost_plain - lost_rows50), where "lost" is the magnitude 2:4 discards and lost_rows50 is what
@@ -800,19 +801,21 @@ def permute(
     For each channel space (a set of channels that Dense/ConvND or SeparableConv "producers" write
     and Dense/ConvND or SeparableConv (depth_multiplier 1) "consumers" read, through activations,
     dropout, pooling, reshapes that keep the last axis, BatchNormalization, LayerNormalization,
-    depthwise convolutions with depth_multiplier 1, and elementwise merges such as residual adds and
-    squeeze-excite products, which join their inputs' spaces), searches one channel order for all
-    the consumers' kernels together (`search_permutation`) and applies it to the consumers' kernel
-    input axis (and depthwise filters), every producer's (pointwise) kernel output axis and bias,
-    and every per-channel weight in between. The copy (made as `tf_sparse24.prune` makes its copies)
-    computes the same function as `model` (up to float rounding) but its 2:4 masks keep more. Run it
-    on the trained dense model, before `tf_sparse24.prune`. The caller's model is not changed.
+    depthwise convolutions with depth_multiplier 1, elementwise merges such as residual adds and
+    squeeze-excite products, which join their inputs' spaces, and concatenations along the channels,
+    past which the space is a slice at an offset), searches one channel order for all the consumers'
+    kernels together (`search_permutation`) and applies it to the consumers' kernel input axis (and
+    depthwise filters), every producer's (pointwise) kernel output axis and bias, and every
+    per-channel weight in between, each at its offset. The copy (made as `tf_sparse24.prune` makes
+    its copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
+    more. Run it on the trained dense model, before `tf_sparse24.prune`. The caller's model is not
+    changed.
 
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
-    concatenation, a shared layer (called twice, or also inside a nested model), a keras op
-    (`x * 2.0`, `x[:, :16]`) or any other layer not known to commute with a channel permutation;
-    quantized or LoRA-enabled layers; channel counts that are not a multiple of 4 or above
-    `max_channels`.
+    shared layer (called twice, or also inside a nested model), a keras op (`x * 2.0`, `x[:, :16]`)
+    or any other layer not known to commute with a channel permutation; quantized or LoRA-enabled
+    layers; channel counts that are not a multiple of 4 or above `max_channels`, and slices of a
+    concatenation that start at an input channel that is not a multiple of 4.
 
     Args:
         model: a built Functional or Sequential keras.Model.
