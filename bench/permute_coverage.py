@@ -61,7 +61,7 @@ def main() -> None:
         before = np.asarray(model(x, training=False))
         diff = np.abs(np.asarray(permuted(x, training=False)) - before).max()
         print(f"| {name} | {len(done)} / {len(reports) - len(done)} | "
-              f"{sum(len(r.consumers) for r in done)} of {kernels} | {seconds:.0f} | "
+              f"{len({c for r in done for c in r.consumers})} of {kernels} | {seconds:.0f} | "
               f"{diff:.1e} ({np.abs(before).max():.1e}) |", flush=True)
         reasons = collections.Counter(r.reason for r in reports if not r.permuted)
         notes += [f"{name}: {n} x {reason}" for reason, n in reasons.most_common(3)]
