@@ -465,13 +465,12 @@ class _Graph(NamedTuple):
 
 
 class _Plan(NamedTuple):
-    """One channel space to permute: layer name -> offset of the space's `channels` in the
-    layer's channel axis, and the consumers' kernels as `[rows, channels]`."""
+    """One channel space to permute: layer name -> offset of the space's channels in the layer's
+    channel axis, and the consumers' kernels as `[rows, channels]`."""
 
     producers: dict[str, int]
     through: dict[str, int]
     consumers: dict[str, int]
-    channels: int
     rows: np.ndarray
 
 
@@ -781,7 +780,7 @@ def _plan(
                     False, reason, producers=tuple(space.producers)))
             else:
                 rows = _channel_rows(graph, space.consumers, channels)
-                plans.append(_Plan(space.producers, space.through, space.consumers, channels, rows))
+                plans.append(_Plan(space.producers, space.through, space.consumers, rows))
     return plans, reports
 
 
