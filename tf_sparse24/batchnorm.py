@@ -45,8 +45,8 @@ def recalibrate_batch_norm(
     Runs `model(batch, training=True)` over the batches of `x` and sets each layer's moving
     statistics to the average of its batch statistics, weighted by batch size (its `momentum` is
     set per batch for that, then restored). Weights are not changed; layers with
-    `trainable=False` are recalibrated too. Use training inputs (a few hundred samples are
-    usually enough), after `tf_sparse24.prune` or `strip`.
+    `trainable=False` are recalibrated too. Use training inputs, after `tf_sparse24.prune` or
+    `strip` (in bench/bn_recalibration.py 1,024 samples did as well as 4,000).
 
     Args:
         model: a built Keras model.
