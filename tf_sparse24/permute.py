@@ -464,16 +464,6 @@ class _Graph(NamedTuple):
     hidden: set[str]  # layers also used inside another layer (a nested model): calls not seen here
 
 
-class _Plan(NamedTuple):
-    """One channel space to permute: layer name -> offset of the space's channels in the layer's
-    channel axis, and the consumers' kernels as `[rows, channels]`."""
-
-    producers: dict[str, int]
-    through: dict[str, int]
-    consumers: dict[str, int]
-    rows: np.ndarray
-
-
 def _history_names(obj) -> list[str]:
     """Names of the layers whose outputs appear in a serialized call argument structure."""
     if isinstance(obj, dict):
@@ -637,6 +627,13 @@ class _Space(NamedTuple):
     reason: str  # why the space cannot be permuted ('' when it can)
 
 
+class _Plan(NamedTuple):
+    """A channel space to permute and its consumers' kernels as `[rows, channels]`."""
+
+    space: _Space
+    rows: np.ndarray
+
+
 def _space(graph: _Graph, seed: str) -> _Space:
     """The channel space that starts at `seed`'s output: everything permuted with it.
 
@@ -780,7 +777,7 @@ def _plan(
                     False, reason, producers=tuple(space.producers)))
             else:
                 rows = _channel_rows(graph, space.consumers, channels)
-                plans.append(_Plan(space.producers, space.through, space.consumers, rows))
+                plans.append(_Plan(space, rows))
     return plans, reports
 
 
@@ -861,11 +858,11 @@ def permute(
     for plan in bar if bar is not None else plans:
         perm = search_permutation(plan.rows, axis=1, kicks=kicks, seed=seed,
                                   block_channels=block_channels)
-        _apply(copy, plan, perm)
+        _apply(copy, plan.space, perm)
         reports.append(PermutationReport(
-            next(iter(plan.producers)), tuple(plan.consumers), len(perm), True, "",
+            next(iter(plan.space.producers)), tuple(plan.space.consumers), len(perm), True, "",
             kept_magnitude(plan.rows), kept_magnitude(plan.rows, perm),
-            permutation_efficacy(plan.rows, perm), tuple(plan.producers)))
+            permutation_efficacy(plan.rows, perm), tuple(plan.space.producers)))
     if print_fn is not None:
         for r in reports:
             what = (f"kept |w| {r.kept_before:.4g} -> {r.kept_after:.4g} (+{r.gain_percent:.2f}%, "
@@ -875,7 +872,7 @@ def permute(
     return copy, reports
 
 
-def _apply(model: keras.Model, plan: _Plan, perm: np.ndarray) -> None:
+def _apply(model: keras.Model, space: _Space, perm: np.ndarray) -> None:
     """Permutes, at each layer's offset, the producers' output channels, the per-channel weights in
     between and the consumers' input channels (a layer can be both: `x + conv(x)`)."""
 
@@ -885,16 +882,16 @@ def _apply(model: keras.Model, plan: _Plan, perm: np.ndarray) -> None:
         index[offset:offset + len(perm)] = offset + perm
         variable.assign(np.take(values, index, axis=axis))
 
-    for name, offset in plan.producers.items():
+    for name, offset in space.producers.items():
         layer = model.get_layer(name)
         take(_output_kernel(layer), -1, offset)
         if getattr(layer, "bias", None) is not None:
             take(layer.bias, 0, offset)
-    for name, offset in plan.through.items():
+    for name, offset in space.through.items():
         # BatchNormalization/LayerNormalization: all [C]; depthwise: kernel [..., C, 1], bias [C].
         for variable in model.get_layer(name).weights:
             take(variable, 0 if variable.ndim == 1 else variable.ndim - 2, offset)
-    for name, offset in plan.consumers.items():
+    for name, offset in space.consumers.items():
         layer = model.get_layer(name)
         kernels = [_input_kernel(layer)]
         if type(layer).__name__ in _SEPARABLE:
