@@ -419,6 +419,22 @@ _PASS_THROUGH = {
 }  # fmt: skip
 # Elementwise merge layers: commute with a permutation applied to all their inputs alike.
 _MERGE = {"Add", "Subtract", "Average", "Maximum", "Minimum", "Multiply"}
+# Keras ops (`x * 0.5`, `keras.ops.relu(x)`, `x + y` in a Functional model) that act element by
+# element: they commute with a permutation of their tensor inputs when every other argument is the
+# same for all channels (a scalar, or an array whose last axis is 1).
+_ELEMENTWISE_OPS = {
+    # keras.ops (numpy)
+    "Abs", "Absolute", "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "DivideNoNan",
+    "Maximum", "Minimum", "Power", "Negative", "Square", "Sqrt", "Cbrt", "Exp", "Exp2", "Expm1",
+    "Log", "Log1p", "Log2", "Log10", "Sign", "Clip", "Tanh", "Sin", "Cos", "Reciprocal", "Floor",
+    "Ceil", "Round", "Trunc", "NanToNum",
+    # keras.ops (nn, math, core)
+    "Relu", "Relu6", "Sigmoid", "HardSigmoid", "HardSilu", "Silu", "Gelu", "Elu", "Selu", "Celu",
+    "Softplus", "Softsign", "LeakyRelu", "LogSigmoid", "HardTanh", "SoftShrink", "HardShrink",
+    "TanhShrink", "Squareplus", "SparsePlus", "SparseSigmoid", "Threshold", "Erf", "Erfc", "Rsqrt",
+    "Cast", "StopGradient",
+}  # fmt: skip
+_CHANNEL_SOFTMAX_OPS = {"Softmax", "LogSoftmax"}  # symmetric over the channels when axis=-1
 _PER_CHANNEL = {"BatchNormalization", "LayerNormalization"}  # 1-D [C] weights, permuted too
 # Per-channel spatial filters (depth_multiplier 1): kernel [..., C, 1] and bias [C], permuted too.
 _DEPTHWISE = {"DepthwiseConv1D", "DepthwiseConv2D"}
@@ -459,20 +475,35 @@ class _Graph(NamedTuple):
 
     ops: dict[str, keras.Operation]
     inputs: dict[str, list[list[str]]]  # per call of an operation, the names of what it reads
+    widths: dict[str, list[int | None]]  # channels (last axis) of each input of its first call
+    constants: dict[str, list]  # the non-tensor arguments of its first call (keras ops only)
     consumers: dict[str, list[str]]  # the operations that read each one's output
     outputs: set[str]  # operations whose output is a model output
     hidden: set[str]  # layers also used inside another layer (a nested model): calls not seen here
 
 
-def _history_names(obj) -> list[str]:
-    """Names of the layers whose outputs appear in a serialized call argument structure."""
+def _tensor_specs(obj) -> list[dict]:
+    """The serialized Keras tensors (`shape`, `keras_history`, ...) in a serialized call's
+    arguments, in order."""
     if isinstance(obj, dict):
-        if "keras_history" in obj.get("config", {}):
-            return [obj["config"]["keras_history"][0]]
-        return [n for v in obj.values() for n in _history_names(v)]
+        if obj.get("class_name") == "__keras_tensor__":
+            return [obj["config"]]
+        return [t for v in obj.values() for t in _tensor_specs(v)]
     if isinstance(obj, (list, tuple)):
-        return [n for v in obj for n in _history_names(v)]
+        return [t for v in obj for t in _tensor_specs(v)]
     return []
+
+
+def _constants(node: dict) -> list:
+    """The top-level arguments of a serialized call other than its Keras tensors and lists of
+    them (`concatenate([a, b])`)."""
+
+    def tensors(value) -> bool:
+        if isinstance(value, (list, tuple)):
+            return bool(value) and all(map(tensors, value))
+        return isinstance(value, dict) and value.get("class_name") == "__keras_tensor__"
+
+    return [v for v in [*node.get("args", []), *node.get("kwargs", {}).values()] if not tensors(v)]
 
 
 def _output_names(spec) -> list[str]:
@@ -497,14 +528,24 @@ def _graph(model: keras.Model) -> _Graph:
         inputs: dict[str, list[list[str]]] = {}
         for source, name in zip([_MODEL_INPUT, *names], names):
             inputs.setdefault(name, []).append([source])  # a layer used twice: two calls
+        widths = {layer.name: [layer.input.shape[-1] if layer.built else None]
+                  for layer in model.layers}
+        constants = {}
         outputs = set(names[-1:])
     elif _is_functional(model):
         config = model.get_config()
         if "layers" not in config:  # a subclass with its own config (keras_hub): same graph
             config = keras.Model(model.input, model.output, name=model.name).get_config()
         ops = {op.name: op for op in model.operations}
-        inputs = {spec["name"]: [_history_names(node) for node in spec.get("inbound_nodes", [])]
-                  for spec in config["layers"]}
+        calls = {spec["name"]: [_tensor_specs(node) for node in spec.get("inbound_nodes", [])]
+                 for spec in config["layers"]}
+        inputs = {name: [[t["keras_history"][0] for t in call] for call in node_specs]
+                  for name, node_specs in calls.items()}
+        widths = {name: [t["shape"][-1] if t["shape"] else None for t in node_specs[0]]
+                  for name, node_specs in calls.items() if node_specs}
+        constants = {spec["name"]: _constants(spec["inbound_nodes"][0]) for spec in config["layers"]
+                     if spec.get("inbound_nodes") and not isinstance(ops[spec["name"]],
+                                                                     keras.layers.Layer)}
         outputs = set(_output_names(config["output_layers"]))
     else:
         raise TypeError(
@@ -518,7 +559,7 @@ def _graph(model: keras.Model) -> _Graph:
                 consumers.setdefault(source, []).append(name)
     inside = {id(sub) for layer in model.layers for sub in walk_layers(layer)}
     hidden = {name for name, op in ops.items() if id(op) in inside}
-    return _Graph(ops, inputs, consumers, outputs, hidden)
+    return _Graph(ops, inputs, widths, constants, consumers, outputs, hidden)
 
 
 def _describe(op) -> str:
@@ -529,17 +570,16 @@ def _describe(op) -> str:
 
 def _shared(graph: _Graph, name: str) -> str:
     """Why `name`'s channels cannot be followed through it ('' when they can): it is called more
-    than once, is also used inside another layer, or combines several inputs other than by a
-    channel-wise merge or a concatenation along the channels."""
+    than once, is also used inside another layer, or combines several inputs other than channel by
+    channel (an elementwise merge or op) or by a concatenation along the channels."""
     nodes = graph.inputs.get(name, [])
     if len(nodes) > 1:
         return f"is shared (called {len(nodes)} times)"
     if name in graph.hidden:
         return "is shared (also used inside a nested model)"
-    op = graph.ops[name]
-    if len(nodes) == 1 and len(nodes[0]) != 1 and not (_merges(op) or _segments(op)):
-        return ("combines several inputs (a merge of unequal channels or a concatenation along "
-                "another axis)")
+    if len(nodes) == 1 and len(nodes[0]) != 1 and not (
+            _carrying(graph, name) or _segments(graph, name)):
+        return "combines several inputs other than channel by channel"
     return ""
 
 
@@ -585,28 +625,68 @@ def _passes(layer) -> bool:
     return kind in _PASS_THROUGH
 
 
-def _merges(layer) -> bool:
-    """Whether `layer` combines its inputs channel by channel: an elementwise merge layer whose
-    inputs all have its output's channel count (a residual add, squeeze-excite's product)."""
-    if not isinstance(layer, keras.layers.Layer) or type(layer).__name__ not in _MERGE:
+def _same_for_every_channel(value) -> bool:
+    """Whether a constant argument or attribute of a keras op treats all channels alike: a scalar,
+    a string or None, or an array whose last axis is 1 (serialized arrays included)."""
+    if isinstance(value, dict) and value.get("class_name") == "__numpy__":
+        value = np.asarray(value["config"]["value"])
+    if value is None or isinstance(value, (bool, int, float, str, np.generic)):
+        return True
+    return isinstance(value, np.ndarray) and (value.ndim == 0 or value.shape[-1] == 1)
+
+
+def _elementwise_op(graph: _Graph, name: str) -> bool:
+    """Whether keras op `name` computes each channel from the same channel of its tensor inputs
+    alone (see `_ELEMENTWISE_OPS`)."""
+    op = graph.ops[name]
+    kind = type(op).__name__
+    if isinstance(op, keras.layers.Layer) or kind not in {*_ELEMENTWISE_OPS, *_CHANNEL_SOFTMAX_OPS}:
         return False
-    channels = layer.output.shape[-1]
-    return channels is not None and all(t.shape[-1] == channels for t in layer.input)
+    attributes = {k: v for k, v in vars(op).items() if not k.startswith("_") and k != "name"}
+    if kind in _CHANNEL_SOFTMAX_OPS:
+        axis = attributes.pop("axis", None)
+        if axis not in (-1, len(op.output.shape) - 1):
+            return False
+    return all(map(_same_for_every_channel, [*attributes.values(), *graph.constants[name]]))
 
 
-def _segments(layer) -> list[int]:
-    """Where each input's channels start in a channel-axis Concatenate layer's output, and its
-    width last (`[0, w0, w0 + w1, ...]`); empty for anything else."""
-    if not isinstance(layer, keras.layers.Layer) or type(layer).__name__ != "Concatenate":
+def _carrying(graph: _Graph, name: str) -> list[int]:
+    """Which inputs of `name` (positions in its first call) carry its output's channels, one to
+    one, when `name` commutes with a permutation applied to them; [] when it does not.
+
+    Pass-through layers: their input. Elementwise merge layers and keras ops: the inputs with the
+    output's channel count; the others broadcast one channel over all (`x * gate`, gate
+    `[..., 1]`) and are left alone.
+    """
+    op = graph.ops[name]
+    if _passes(op):
+        return [0]
+    merges = isinstance(op, keras.layers.Layer) and type(op).__name__ in _MERGE
+    if not (merges or _elementwise_op(graph, name)):
         return []
-    widths = [t.shape[-1] for t in layer.input]
-    if layer.axis not in (-1, len(layer.output.shape) - 1) or None in widths:
+    channels, widths = op.output.shape[-1], graph.widths.get(name, [])
+    if channels is None or any(w not in (channels, 1) for w in widths):
+        return []
+    return [i for i, w in enumerate(widths) if w == channels]
+
+
+def _segments(graph: _Graph, name: str) -> list[int]:
+    """Where each input's channels start in the output of `name`, a channel-axis concatenation
+    (a Concatenate layer or `keras.ops.concatenate`), and its width last (`[0, w0, w0 + w1,
+    ...]`); empty for anything else."""
+    op = graph.ops[name]
+    if type(op).__name__ != "Concatenate":
+        return []
+    widths = graph.widths.get(name, [])
+    if op.axis not in (-1, len(op.output.shape) - 1) or not widths or None in widths:
         return []
     return list(itertools.accumulate(widths, initial=0))
 
 
-def _frozen(layer: keras.layers.Layer) -> str:
+def _frozen(layer: keras.Operation) -> str:
     """Why `layer`'s weights cannot be permuted as plain arrays ('' when they can)."""
+    if not isinstance(layer, keras.layers.Layer):  # a keras op: no weights
+        return ""
     if quantized_layers(layer):
         return (f"{_describe(layer)} is quantized ({layer.quantization_mode}): permute the float "
                 "model, then quantize")
@@ -670,11 +750,11 @@ def _space(graph: _Graph, seed: str) -> _Space:
             whole.add(name)
         if _output_kernel(op) is not None:
             producers[name] = offset
-        elif _passes(op) or _merges(op):
+        elif carrying := _carrying(graph, name):
             through[name] = offset
-            for source in graph.inputs[name][0]:
-                carry(source, offset)
-        elif starts := _segments(op):
+            for i in carrying:
+                carry(graph.inputs[name][0][i], offset)
+        elif starts := _segments(graph, name):
             through[name] = offset
             inside = [i for i in range(len(starts) - 1)
                       if starts[i] <= offset and offset + channels <= starts[i + 1]]
@@ -697,9 +777,12 @@ def _space(graph: _Graph, seed: str) -> _Space:
                     reasons.append(f"channels reach {_describe(op)} at input channel {offset}, "
                                    "not a multiple of 4")
                 consumers[user] = offset
-            elif _passes(op) or _merges(op):
-                carry(user, offset)
-            elif starts := _segments(op):
+            elif carrying := _carrying(graph, user):
+                if name in (graph.inputs[user][0][i] for i in carrying):
+                    carry(user, offset)
+                else:
+                    reasons.append(f"channels reach {_describe(op)}, which broadcasts them")
+            elif starts := _segments(graph, user):
                 at = [i for i, source in enumerate(graph.inputs[user][0]) if source == name]
                 if len(at) > 1:
                     reasons.append(f"channels reach {_describe(op)} {len(at)} times")
@@ -722,9 +805,9 @@ def _roots(graph: _Graph, name: str) -> list[str]:
     op = graph.ops.get(name)
     if op is None or isinstance(op, keras.layers.InputLayer) or _shared(graph, name):
         return [name]
-    if _passes(op):
+    if _carrying(graph, name) == [0] and len(graph.inputs[name][0]) == 1:
         return _roots(graph, graph.inputs[name][0][0])
-    if _segments(op):
+    if _segments(graph, name):
         return list(dict.fromkeys(r for s in graph.inputs[name][0] for r in _roots(graph, s)))
     return [name]
 
@@ -798,19 +881,22 @@ def permute(
     and Dense/ConvND or SeparableConv (depth_multiplier 1) "consumers" read, through activations,
     dropout, pooling, reshapes that keep the last axis, BatchNormalization, LayerNormalization,
     depthwise convolutions with depth_multiplier 1, elementwise merges such as residual adds and
-    squeeze-excite products, which join their inputs' spaces, and concatenations along the channels,
-    past which the space is a slice at an offset), searches one channel order for all the consumers'
-    kernels together (`search_permutation`) and applies it to the consumers' kernel input axis (and
-    depthwise filters), every producer's (pointwise) kernel output axis and bias, and every
-    per-channel weight in between, each at its offset. The copy (made as `tf_sparse24.prune` makes
+    squeeze-excite products, which join their inputs' spaces (merge layers or keras ops: `x + y`,
+    `x * keras.ops.relu6(x + 3.0) / 6.0`; a one-channel input broadcast over the others is left
+    alone), and concatenations along the channels, past which the space is a slice at an offset),
+    searches one channel order for all the consumers' kernels together (`search_permutation`) and
+    applies it to the consumers' kernel input axis (and depthwise filters), every producer's
+    (pointwise) kernel output axis and bias, and every per-channel weight in between, each at its
+    offset. The copy (made as `tf_sparse24.prune` makes
     its copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
     more. Run it on the trained dense model, before `tf_sparse24.prune`. The caller's model is not
     changed.
 
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
-    shared layer (called twice, or also inside a nested model), a keras op (`x * 2.0`, `x[:, :16]`)
-    or any other layer not known to commute with a channel permutation; quantized or LoRA-enabled
-    layers; channel counts that are not a multiple of 4 or above `max_channels`, and slices of a
+    shared layer (called twice, or also inside a nested model), a keras op that is not elementwise
+    (`x[:, :16]`, `keras.ops.flip`) or has a per-channel constant (`x + np.arange(16)`), any other
+    layer not known to commute with a channel permutation; quantized or LoRA-enabled layers;
+    channel counts that are not a multiple of 4 or above `max_channels`, and slices of a
     concatenation that start at an input channel that is not a multiple of 4.
 
     Args:
@@ -887,9 +973,10 @@ def _apply(model: keras.Model, space: _Space, perm: np.ndarray) -> None:
         take(_output_kernel(layer), -1, offset)
         if getattr(layer, "bias", None) is not None:
             take(layer.bias, 0, offset)
+    layers = {layer.name: layer for layer in model.layers}  # not keras ops: they have no weights
     for name, offset in space.through.items():
         # BatchNormalization/LayerNormalization: all [C]; depthwise: kernel [..., C, 1], bias [C].
-        for variable in model.get_layer(name).weights:
+        for variable in layers[name].weights if name in layers else []:
             take(variable, 0 if variable.ndim == 1 else variable.ndim - 2, offset)
     for name, offset in space.consumers.items():
         layer = model.get_layer(name)
