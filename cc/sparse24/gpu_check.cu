@@ -256,6 +256,11 @@ double unit_roundoff(DType t) {
 // in numpy (bf16/fp16, K 4096/16384, 8-way split-K with bf16 partials): correct products reach at
 // most 0.38 of the bound; a product off by one column is flagged in 97-99% of its elements. The
 // worst element is printed with its position.
+double element_bound(DType t, int64_t K, double ref, double magnitude) {
+  const double u = unit_roundoff(t);
+  return 2 * u * std::fabs(ref) + (u / 8 + 16 * std::sqrt(static_cast<double>(K)) * 0x1p-24) * magnitude;
+}
+
 struct Check { double rel_err; int64_t bad_outputs; int64_t outliers; };
 Check check_product(const Problem& p, const Buf& y, int64_t m, int rows) {
   const std::vector<uint8_t> hw = p.w.host(), hx = p.x.host(), hy = y.host();
@@ -264,8 +269,6 @@ Check check_product(const Problem& p, const Buf& y, int64_t m, int rows) {
   rows = static_cast<int>(std::min<int64_t>(rows, m));
   std::vector<int64_t> picks;
   for (int r = 0; r < rows; ++r) picks.push_back(rows == 1 ? 0 : r * (m - 1) / (rows - 1));
-  const double u = unit_roundoff(p.t);
-  const double slack = u / 8 + 16 * std::sqrt(static_cast<double>(p.K)) * 0x1p-24;
   std::vector<double> num(picks.size()), den(picks.size()), worst(picks.size());
   std::vector<int64_t> outliers(picks.size()), worst_n(picks.size());
   std::vector<std::thread> pool;
@@ -285,7 +288,7 @@ Check check_product(const Problem& p, const Buf& y, int64_t m, int rows) {
         const double d = to_double(p.t, hy.data(), m * p.N + n) - acc[n];
         num[j] += d * d;
         den[j] += acc[n] * acc[n];
-        const double excess = std::fabs(d) / (2 * u * std::fabs(acc[n]) + slack * mag[n] + 1e-300);
+        const double excess = std::fabs(d) / (element_bound(p.t, p.K, acc[n], mag[n]) + 1e-300);
         if (!(excess <= 1)) ++outliers[j];  // NaN counts
         if (!(excess <= worst[j])) worst[j] = excess, worst_n[j] = n;
       }
@@ -769,6 +772,61 @@ void check_fallback(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t strea
               status.message.c_str()) + shape);
 }
 
+// NaN/Inf in x through the op (SparseMatMul::run), whichever path the shape takes: y must be NaN,
+// +Inf or -Inf exactly where a float64 dense x @ W is (0 * Inf = NaN at W's zeros, which the
+// 2:4 kernels skip), and every finite output within check_product's per-element bound.
+void check_nonfinite(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t stream) {
+  Problem p(t, M, K, N);
+  p.compress_2to4();
+  const uint32_t nan = t == DType::kFloat32 ? 0x7fc00000u : t == DType::kFloat16 ? 0x7e00u : 0x7fc0u;
+  const uint32_t inf = t == DType::kFloat32 ? 0x7f800000u : t == DType::kFloat16 ? 0x7c00u : 0x7f80u;
+  const uint32_t minus = t == DType::kFloat32 ? 0x80000000u : 0x8000u;
+  struct Poke { int64_t m, k; uint32_t bits; };
+  for (const Poke& q : {Poke{1, 5, nan}, Poke{2, 9, inf}, Poke{3, 12, inf}, Poke{3, 13, inf | minus},
+                        Poke{M - 1, K - 1, inf | minus}}) {  // little-endian: the low bytes
+    CUDA_OK(cudaMemcpy(p.x.get<uint8_t>() + (q.m * K + q.k) * esize(t), &q.bits, esize(t),
+                       cudaMemcpyHostToDevice));
+  }
+  Buf y(M * N * esize(t));
+  CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
+  gpu::SparseMatMul mm([](const std::string&, const std::string&) {}, false);
+  const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), M, K, N, y.p};
+  const gpu::Status status = mm.run(args, stream_allocator(stream), stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const gpu::SparseMatMul::Stats s = mm.stats();
+  const char* path = s.dense_calls ? "cuBLAS" : s.plain_calls ? "plain kernel" : "cuSPARSELt";
+  const std::vector<uint8_t> hw = p.w.host(), hx = p.x.host(), hy = y.host();
+  auto kind = [](double v) { return std::isnan(v) ? 'N' : std::isinf(v) ? (v > 0 ? '+' : '-') : 'f'; };
+  int64_t nans = 0, infs = 0, misclassified = 0, outliers = 0, bad_m = -1, bad_n = -1;
+  for (int64_t m = 0; m < M; ++m) {
+    std::vector<double> acc(N, 0.0), mag(N, 0.0);
+    for (int64_t k = 0; k < K; ++k) {
+      const double xv = to_double(t, hx.data(), m * K + k);
+      for (int64_t n = 0; n < N; ++n) {
+        const double term = xv * to_double(t, hw.data(), k * N + n);  // IEEE: Inf * 0 = NaN
+        acc[n] += term;
+        mag[n] += std::fabs(term);
+      }
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const double got = to_double(t, hy.data(), m * N + n);
+      nans += std::isnan(acc[n]);
+      infs += std::isinf(acc[n]);
+      if (kind(got) != kind(acc[n])) {
+        if (misclassified++ == 0) bad_m = m, bad_n = n;
+      } else if (kind(got) == 'f' && !(std::fabs(got - acc[n]) <= element_bound(t, K, acc[n], mag[n]))) {
+        ++outliers;
+      }
+    }
+  }
+  verdict(status.ok() && misclassified == 0 && outliers == 0 && nans > 0 && infs > 0,
+          fmt("SparseMatMul (%s) with NaN/Inf in x: %ld NaN and %ld +-Inf outputs in float64, "
+              "%ld classified otherwise (first: row %ld, column %ld), %ld finite ones beyond the "
+              "bound %s, ", path, (long)nans, (long)infs, (long)misclassified, (long)bad_m,
+              (long)bad_n, (long)outliers, status.message.c_str()) +
+              fmt("%s M=%ld K=%ld N=%ld", dname(t), (long)M, (long)K, (long)N));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Timing: median over `reps` batches of `per` launches each, CUDA events, after warm-up.
 
@@ -894,7 +952,8 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
   if (lt_failed()) return row;
   // The TensorFlow op's device work per call on a cached, unchanged weight (docs/GPU.md): this
   // call's fingerprint of values+meta, the default-config matmul, then the repair kernel, which
-  // finds the fingerprint unchanged and leaves y alone. Not in it: the copies padding x and
+  // finds the fingerprint unchanged and leaves y alone, and the NaN/Inf kernel, which reads x and
+  // finds it finite. Not in it: the copies padding x and
   // unpadding y, the fingerprint's copy to the host and its event, the host's cache lookup.
   // Timed before the search below changes copy 0's plan.
   Buf checks(copies * sizeof(unsigned long long));
@@ -912,13 +971,16 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
     CUDA_OK(gpu::spmm_simple_unless(t, ps[i].x.p, ps[i].values.p, ps[i].meta.get<uint8_t>(), M,
                                     K, N, ys[i].p, checks.get<unsigned long long>() + i,
                                     expected[i], 0));
+    CUDA_OK(gpu::propagate_nonfinite(t, ps[i].x.p, ps[i].values.p, ps[i].meta.get<uint8_t>(), M,
+                                     K, N, ys[i].p, 0));
   };
   ys[0].poison();
   op_launch(0);
   CUDA_OK(cudaDeviceSynchronize());
   c = check_product(ps[0], ys[0], M, check_rows);
   verdict(correct(c, t),
-          shape + fmt("op path (fingerprint, matmul, repair skipped) rel err %.2e, unwritten %ld",
+          shape + fmt("op path (fingerprint, matmul, repair skipped, NaN/Inf scan) rel err %.2e, "
+                      "unwritten %ld",
                       c.rel_err, (long)c.bad_outputs));
   row.op_ms = time_ms(op_launch, copies, warmup, reps);
   if (lt_failed()) return row;
@@ -1100,6 +1162,12 @@ int main(int argc, char** argv) {
       check_fallback(t, 37, 200, 48, stream);  // the same, cuBLAS on the decompressed weight
     }
     check_fallback(DType::kFloat32, 64, 1024, 256, stream);
+    for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      check_nonfinite(t, 40, 512, 256, stream);  // cuSPARSELt (fp32: cuBLAS)
+      check_nonfinite(t, 8, 512, 256, stream);   // cuSPARSELt, 16 padded rows (fp32: plain)
+      check_nonfinite(t, 37, 200, 48, stream);   // cuBLAS on the decompressed weight
+      check_nonfinite(t, 8, 200, 48, stream);    // plain kernel
+    }
     CUDA_OK(cudaStreamSynchronize(stream));
     CUDA_OK(cudaStreamDestroy(stream));
   }
@@ -1128,7 +1196,8 @@ int main(int argc, char** argv) {
     for (const Row& r : rows) print_row(r, nullptr);
     out("Lt = cuSPARSELt default config; Lt* = after cusparseLtMatmulSearch. Ratios > 1: 2:4 faster.\n"
         "op = the TF op's device work per call on a cached weight: fingerprint of values+meta, Lt,\n"
-        "and the repair kernel that finds the weight unchanged (TRUST_WEIGHT_ADDRESS=1 runs Lt only);\n"
+        "the repair kernel that finds the weight unchanged (TRUST_WEIGHT_ADDRESS=1 skips these two)\n"
+        "and the NaN/Inf kernel that scans x and finds it finite;\n"
         "not in it: copies padding x / unpadding y, the 8-byte fingerprint copy and its event.\n"
         "TF/s counts the dense-equivalent 2*M*K*N flops. Lt runs M rounded up to a multiple of\n"
         "%ld (the op copies x into such a padded buffer; that copy is not in these times).\n"

@@ -164,6 +164,53 @@ __global__ void spmm_simple_kernel(const typename E::T* __restrict__ x,
   }
 }
 
+// Whether one of the elements packed in an 8-byte word of x is NaN/Inf (all-ones exponent).
+template <typename Bits, Bits kExp>
+__device__ __forceinline__ bool any_nonfinite(uint64_t word) {
+  bool any = false;
+  for (int i = 0; i < 8 / static_cast<int>(sizeof(Bits)); ++i) {
+    any |= (static_cast<Bits>(word >> (8 * sizeof(Bits) * i)) & kExp) == kExp;
+  }
+  return any;
+}
+
+// One block per row of x (grid-stride): the block scans the row (8-byte loads when `aligned`);
+// if it holds NaN/Inf, each thread takes columns n and sets y[m, n] = kNan when such an x[m, k]
+// meets a zero of W (see propagate_nonfinite).
+template <typename Bits, Bits kExp, Bits kNan>
+__global__ void nonfinite_kernel(const Bits* __restrict__ x, const Bits* __restrict__ values,
+                                 const uint8_t* __restrict__ meta, int64_t M, int64_t K, int64_t N,
+                                 bool aligned, Bits* __restrict__ y) {
+  const int64_t groups = K / 4, bytes = (K + 7) / 8;
+  constexpr int kPerWord = 8 / sizeof(Bits);
+  for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
+    const Bits* xr = x + m * K;
+    const int64_t words = aligned ? K / kPerWord : 0;  // K % 4 == 0: rows are whole words
+    bool found = false;
+    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) {
+      found |= any_nonfinite<Bits, kExp>(reinterpret_cast<const uint64_t*>(xr)[i]);
+    }
+    for (int64_t k = words * kPerWord + threadIdx.x; k < K; k += blockDim.x) {
+      found |= (xr[k] & kExp) == kExp;
+    }
+    if (!__syncthreads_or(found)) continue;  // the block's common answer: no thread diverges
+    for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
+      const Bits* vr = values + n * (K / 2);
+      const uint8_t* mr = meta + n * bytes;
+      bool meets_zero = false;
+      for (int64_t g = 0; g < groups && !meets_zero; ++g) {
+        const int nib = (mr[g / 2] >> (4 * (g % 2))) & 0xF;
+        for (int r = 0; r < 4; ++r) {
+          if ((xr[4 * g + r] & kExp) != kExp) continue;
+          const Bits w = r == (nib & 3) ? vr[2 * g] : (r == (nib >> 2) ? vr[2 * g + 1] : Bits(0));
+          meets_zero |= !nonzero(w);
+        }
+      }
+      if (meets_zero) y[m * N + n] = kNan;
+    }
+  }
+}
+
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {  // splitmix64 finalizer
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -294,6 +341,32 @@ cudaError_t spmm_simple_unless(DType dtype, const void* x, const void* values, c
       spmm_simple_kernel<BF16><<<grid, kThreads, 0, stream>>>(
           static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(values), meta, M, K, N,
           static_cast<uint16_t*>(y), fingerprint, expected);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t propagate_nonfinite(DType dtype, const void* x, const void* values,
+                                const uint8_t* meta, int64_t M, int64_t K, int64_t N, void* y,
+                                cudaStream_t stream) {
+  if (M == 0 || N == 0 || K == 0) return cudaSuccess;
+  const int grid = static_cast<int>(std::min<int64_t>(M, kMaxBlocks));
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 8 == 0;
+  switch (dtype) {
+    case DType::kFloat32:
+      nonfinite_kernel<uint32_t, 0x7f800000u, 0x7fc00000u><<<grid, kThreads, 0, stream>>>(
+          static_cast<const uint32_t*>(x), static_cast<const uint32_t*>(values), meta, M, K, N,
+          aligned, static_cast<uint32_t*>(y));
+      break;
+    case DType::kFloat16:
+      nonfinite_kernel<uint16_t, 0x7c00u, 0x7e00u><<<grid, kThreads, 0, stream>>>(
+          static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(values), meta, M, K, N,
+          aligned, static_cast<uint16_t*>(y));
+      break;
+    case DType::kBFloat16:
+      nonfinite_kernel<uint16_t, 0x7f80u, 0x7fc0u><<<grid, kThreads, 0, stream>>>(
+          static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(values), meta, M, K, N,
+          aligned, static_cast<uint16_t*>(y));
       break;
   }
   return cudaGetLastError();

@@ -50,6 +50,14 @@ cudaError_t spmm_simple_unless(DType dtype, const void* x, const void* values, c
                                const unsigned long long* fingerprint, unsigned long long expected,
                                cudaStream_t stream);
 
+// Makes y = x @ W NaN where a dense matmul would be NaN and the kernels above (or cuSPARSELt),
+// which skip W's zeros, may not be: y[m, n] = NaN wherever x[m, k] is NaN/Inf and W[k, n] is zero
+// (off the kept positions, or a kept zero); products with kept non-zeros already carried NaN/Inf
+// through the matmul. Each row of x is scanned once; only rows holding NaN/Inf do more work.
+cudaError_t propagate_nonfinite(DType dtype, const void* x, const void* values,
+                                const uint8_t* meta, int64_t M, int64_t K, int64_t N, void* y,
+                                cudaStream_t stream);
+
 // *out = a 64-bit fingerprint of a compressed weight's bytes (values, then meta), computed on the
 // device: every byte counts, with its position and buffer. The op's cache key check.
 cudaError_t fingerprint_weight(const void* values, int64_t values_bytes, const uint8_t* meta,

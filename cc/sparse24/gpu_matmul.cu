@@ -56,6 +56,28 @@ Status launch_fingerprint(const MatMulArgs& a, unsigned long long* slot, cudaStr
                      "fingerprint");
 }
 
+// Launches the meta check into slots[0..1] (reset first).
+Status launch_meta_check(const uint8_t* meta, int64_t k, int64_t n, unsigned long long* slots,
+                         cudaStream_t stream) {
+  S24_RETURN_IF_ERROR(cuda_status(reset_error_slots(slots, 2, stream), "meta check"));
+  return cuda_status(check_meta(meta, k, n, slots, stream), "meta check");
+}
+
+// The meta check's verdict from its two slots (read back), prefixed by `op`.
+Status meta_status(const char* op, const unsigned long long bad[2], int64_t k) {
+  if (bad[0] != kNoError) {
+    return invalid_argument(std::string(op) + ": invalid meta: row n=" + str(bad[0] / (k / 4)) +
+                            ", group g=" + str(bad[0] % (k / 4)) +
+                            " has positions that are not strictly ascending");
+  }
+  if (bad[1] != kNoError) {
+    return invalid_argument(std::string(op) + ": invalid meta: row n=" + str(bad[1]) +
+                            ", the last byte has a non-zero high nibble, which must be 0 when "
+                            "K % 8 == 4 (K=" + str(k) + ")");
+  }
+  return {};
+}
+
 }  // namespace
 
 Status cuda_status(cudaError_t e, const char* what) {
@@ -85,21 +107,10 @@ Status check_meta_now(const char* op, const uint8_t* meta, int64_t k, int64_t n,
                       const Allocator& alloc, cudaStream_t stream) {
   DeviceBuffer slots;
   S24_RETURN_IF_ERROR(allocate(alloc, 2 * sizeof(unsigned long long), &slots));
-  S24_RETURN_IF_ERROR(cuda_status(reset_error_slots(slots_of(slots), 2, stream), "meta check"));
-  S24_RETURN_IF_ERROR(cuda_status(check_meta(meta, k, n, slots_of(slots), stream), "meta check"));
+  S24_RETURN_IF_ERROR(launch_meta_check(meta, k, n, slots_of(slots), stream));
   unsigned long long bad[2];
   S24_RETURN_IF_ERROR(read_back(slots_of(slots), bad, 2, stream));
-  if (bad[0] != kNoError) {
-    return invalid_argument(std::string(op) + ": invalid meta: row n=" + str(bad[0] / (k / 4)) +
-                            ", group g=" + str(bad[0] % (k / 4)) +
-                            " has positions that are not strictly ascending");
-  }
-  if (bad[1] != kNoError) {
-    return invalid_argument(std::string(op) + ": invalid meta: row n=" + str(bad[1]) +
-                            ", the last byte has a non-zero high nibble, which must be 0 when "
-                            "K % 8 == 4 (K=" + str(k) + ")");
-  }
-  return {};
+  return meta_status(op, bad, k);
 }
 
 Status decompress_checked(DType dtype, const void* values, const uint8_t* meta, int64_t k,
@@ -157,6 +168,16 @@ SparseMatMul::Stats SparseMatMul::stats() {
 }
 
 Status SparseMatMul::run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream) {
+  S24_RETURN_IF_ERROR(run_matmul(a, alloc, stream));
+  // cuSPARSELt and the plain and repair kernels skip W's zeros: put back the NaN a dense matmul
+  // gets from NaN/Inf in x times those zeros (docs/FORMAT.md). One read of x when it is finite.
+  return cuda_status(propagate_nonfinite(a.dtype, a.x, a.values, a.meta, a.m, a.k, a.n, a.y,
+                                         stream),
+                     "Sparse24MatMul NaN/Inf kernel");
+}
+
+Status SparseMatMul::run_matmul(const MatMulArgs& a, const Allocator& alloc,
+                                cudaStream_t stream) {
   const std::string unsupported = lt_unsupported_reason(a.dtype, a.k, a.n);
   if (!unsupported.empty()) {
     log_(unsupported, "Sparse24MatMul on GPU does not use the Sparse Tensor Cores for " +
@@ -232,7 +253,7 @@ Status SparseMatMul::run_dense(const MatMulArgs& a, const Allocator& alloc, cuda
 }
 
 // This weight's cached `form`, made by `make` if new or known to have changed in place, after the
-// weight is fingerprinted and its meta validated (both wait for the stream). On a hit (unless
+// weight is fingerprinted and its meta validated (one wait for the stream, for both). On a hit (unless
 // trusted) this call's fingerprint is launched into (*out)->check and *verify is set: the caller
 // must then queue_repair after its matmul. Holds mu_.
 Status SparseMatMul::cached(Form form, const MatMulArgs& a, const Allocator& alloc,
@@ -269,12 +290,14 @@ Status SparseMatMul::cached(Form form, const MatMulArgs& a, const Allocator& all
     *verify = true;
     return {};
   }
-  DeviceBuffer slot;
-  S24_RETURN_IF_ERROR(allocate(alloc, sizeof(unsigned long long), &slot));
-  S24_RETURN_IF_ERROR(launch_fingerprint(a, slots_of(slot), stream));
-  unsigned long long fingerprint;
-  S24_RETURN_IF_ERROR(read_back(slots_of(slot), &fingerprint, 1, stream));
-  S24_RETURN_IF_ERROR(check_meta_now("Sparse24MatMul", a.meta, a.k, a.n, alloc, stream));
+  DeviceBuffer slots;  // the fingerprint, then the meta check's two
+  S24_RETURN_IF_ERROR(allocate(alloc, 3 * sizeof(unsigned long long), &slots));
+  S24_RETURN_IF_ERROR(launch_fingerprint(a, slots_of(slots), stream));
+  S24_RETURN_IF_ERROR(launch_meta_check(a.meta, a.k, a.n, slots_of(slots) + 1, stream));
+  unsigned long long found[3];
+  S24_RETURN_IF_ERROR(read_back(slots_of(slots), found, 3, stream));
+  S24_RETURN_IF_ERROR(meta_status("Sparse24MatMul", found + 1, a.k));
+  const unsigned long long fingerprint = found[0];
   std::list<CachedWeight> fresh(1);  // joins weights_ once complete
   CachedWeight& entry = fresh.front();
   entry.form = form;

@@ -8,7 +8,7 @@
 // How the cache works (docs/GPU.md): a weight is kept in the form its path needs (cuSPARSELt's
 // compressed operand, or for the cuBLAS fallback the decompressed W), keyed on (form, device,
 // dtype, values and meta addresses, K, N). Its first call fingerprints values+meta, validates meta
-// (both wait for the stream) and makes that form. Later calls fingerprint it again on the device
+// (one wait for the stream, for both) and makes that form. Later calls fingerprint it again on the device
 // and run the cached form; a kernel after the matmul recomputes y from values/meta if the
 // fingerprint differs (the weight changed in place), and the fingerprint is copied to pinned
 // memory so a later call drops the stale entry. No call after the first waits for the GPU (the
@@ -105,7 +105,8 @@ class SparseMatMul {
   // y = x @ W on `stream`: cuSPARSELt (float16/bfloat16, K and N multiples of 16, accepted by the
   // library) with the cached operand; anything else is the fallback: cuBLAS on the cached
   // decompressed weight above kPlainMaxRows rows of x, else the plain kernel, which validates meta
-  // on every call (also when cuBLAS is missing or fails, or the dense weight does not fit).
+  // on every call (also when cuBLAS is missing or fails, or the dense weight does not fit). Then
+  // NaN/Inf in x propagate as in a dense matmul (gpu_kernels.h propagate_nonfinite).
   Status run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
 
   struct Stats {
@@ -124,6 +125,7 @@ class SparseMatMul {
   // Makes a new entry's form (its buffers) once the weight has been fingerprinted and validated.
   using MakeForm = std::function<Status(CachedWeight*)>;
 
+  Status run_matmul(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
   Status run_fallback(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream);
   Status run_dense(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream, bool* ran,
                    std::string* why_not);
