@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import procs
 from test_masks import reference_mask
 
 import tf_sparse24
@@ -11,12 +12,15 @@ import tf_sparse24
 EPS = 1e-3  # BatchNormalization's default epsilon
 
 
-def _model():
+def _model(synchronized: bool = False):
+    """A pruned conv net with two BatchNormalization layers (the second frozen), stale statistics
+    and seeded weights: the same model in every process."""
     inputs = keras.Input((6, 6, 4))
     y1 = keras.layers.Conv2D(8, 3, name="conv1")(inputs)
-    x = keras.layers.ReLU()(keras.layers.BatchNormalization(name="bn1")(y1))
+    bn1 = keras.layers.BatchNormalization(name="bn1", synchronized=synchronized)
+    x = keras.layers.ReLU()(bn1(y1))
     y2 = keras.layers.Conv2D(8, 1, name="conv2")(x)
-    bn2 = keras.layers.BatchNormalization(name="bn2")
+    bn2 = keras.layers.BatchNormalization(name="bn2", synchronized=synchronized)
     bn2.trainable = False  # frozen: still recalibrated
     x = keras.layers.GlobalAveragePooling2D()(bn2(y2))
     model = keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
@@ -119,3 +123,22 @@ def test_bad_input_is_refused_before_anything_changes():
     for name, stats in _statistics(model).items():
         for a, b in zip(stats, before[name]):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_recalibration_under_mirrored_strategy_sets_every_replica(tmp_path):
+    # tests/helpers/bn_mirrored_worker.py: _model() built under MirroredStrategy on 2 logical
+    # CPUs, recalibrated (plain and synchronized BatchNormalization); each replica's statistics.
+    out = tmp_path / "replicas.npz"
+    procs.run("bn_mirrored_worker.py", out, tmp=tmp_path, timeout=300).check()
+    got = np.load(out)
+    x = got["x"]
+    for synchronized in (False, True):
+        expected = _reference_statistics(_model(synchronized), x, 32)
+        for name in ("bn1", "bn2"):
+            for i, what in enumerate(("mean", "variance")):
+                for replica in range(2):
+                    np.testing.assert_allclose(
+                        got[f"{synchronized}/{name}/{what}/{replica}"], expected[name][i],
+                        rtol=1e-4, atol=1e-5,
+                        err_msg=f"synchronized={synchronized} {name} {what} replica {replica}")

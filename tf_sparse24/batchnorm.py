@@ -46,7 +46,9 @@ def recalibrate_batch_norm(
     statistics to the average of its batch statistics, weighted by batch size (its `momentum` is
     set per batch for that, then restored). Weights are not changed; layers with
     `trainable=False` are recalibrated too. Use training inputs, after `tf_sparse24.prune` or
-    `strip` (in bench/bn_recalibration.py 1,024 samples did as well as 4,000).
+    `strip` (in bench/bn_recalibration.py 1,024 samples did as well as 4,000). Under a
+    `tf.distribute` strategy, pass arrays or a plain (not distributed) Dataset: batches run whole,
+    in cross-replica context, and every replica gets the same statistics.
 
     Args:
         model: a built Keras model.
