@@ -9,7 +9,8 @@
 //    dense (cublasGemmEx, fp32 accumulation), CUDA events, median of many timed batches after
 //    warm-up, inputs rotated so repeated runs do not just hit L2; prints a ratio table.
 // Every CUDA, cuBLAS and cuSPARSELt status is checked. Exit status: 0 all checks passed, 1 a check
-// failed, 2 bad arguments, 3 a library or the GPU is missing.
+// failed, 2 bad arguments, 3 a library or the GPU is missing (without cuSPARSELt the checks that
+// do not need it still run, then 3).
 //
 // Build and run: scripts/gpu_check.sh (it finds the libraries). `gpu_check --help` lists flags.
 #include <cuda_fp16.h>
@@ -71,10 +72,15 @@ void out(const char* fmt, ...) {
   } while (0)
 #define LAUNCH_OK() CUDA_OK(cudaGetLastError())
 
-int g_failures = 0;
+int g_failures = 0, g_skipped = 0;
 void verdict(bool ok, const std::string& what) {
   if (!ok) ++g_failures;
   out("  [%s] %s\n", ok ? "ok" : "FAIL", what.c_str());
+}
+// A check that cannot run here (cuSPARSELt not loaded): counted, and the run cannot pass.
+void skipped(const std::string& what) {
+  ++g_skipped;
+  out("  [skip] %s\n", what.c_str());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -498,6 +504,7 @@ void check_matmul(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N)
   verdict(correct(c, t),
           fmt("cuBLAS dense rel err %.2e, unwritten %ld, ", c.rel_err, (long)c.bad_outputs) + shape);
   if (!gpu::lt_unsupported_reason(t, K, N).empty()) return;
+  if (ctx == nullptr) return skipped("cuSPARSELt matmul (library not loaded), " + shape);
   LtRunner lt(ctx, p);
   if (!lt.error.empty()) return verdict(false, "cuSPARSELt refused " + shape + ": " + lt.error);
   // cuSPARSELt sees x padded to m_pad rows (pad rows random too: they must not leak into y).
@@ -1111,9 +1118,18 @@ int main(int argc, char** argv) {
   for (auto t : args.dtypes) out(" %s", dname(t));
   out("; warmup %d, reps %d\n", args.warmup, args.reps);
 
-  std::string error;
-  if (!sparse24::lt::load_cusparselt(&error)) die(3, error);
-  out("cuSPARSELt: loaded (%s)\n", args.cusparselt.empty() ? "default search path" : args.cusparselt.c_str());
+  // Without cuSPARSELt a dry run fails at once; a real run still checks everything that does not
+  // need it (compress, decompress, the plain kernel, cuBLAS, the fallback paths, NaN/Inf), skips
+  // the rest and the benchmark, and exits 3.
+  std::string error, lt_error;
+  const bool lt_loaded = sparse24::lt::load_cusparselt(&lt_error);
+  if (!lt_loaded && args.dry_run) die(3, lt_error);
+  if (lt_loaded) {
+    out("cuSPARSELt: loaded (%s)\n", args.cusparselt.empty() ? "default search path" : args.cusparselt.c_str());
+  } else {
+    out("cuSPARSELt: NOT LOADED: %s\n  (its checks and the benchmark are skipped; the rest runs)\n",
+        lt_error.c_str());
+  }
   if (!args.cublas.empty()) setenv("TF_SPARSE24_CUBLAS", args.cublas.c_str(), 1);
   std::string cublas_where;
   if (!gpu::load_cublas(&cublas_where)) die(3, cublas_where + " (pass --cublas PATH)");
@@ -1135,9 +1151,12 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, 0));
   g_memory_pools = pools != 0;
   out("stream-ordered allocation (memory pools): %s\n", g_memory_pools ? "yes" : "no");
-  gpu::LtContext* ctx = gpu::LtContext::get(&error);
-  if (!ctx) die(3, error);
-  out("cuSPARSELt version %d\n", ctx->version());
+  gpu::LtContext* ctx = nullptr;
+  if (lt_loaded) {
+    ctx = gpu::LtContext::get(&lt_error);
+    if (ctx) out("cuSPARSELt version %d\n", ctx->version());
+    else out("cuSPARSELt: NOT USABLE: %s\n  (its checks and the benchmark are skipped)\n", lt_error.c_str());
+  }
 
   if (!args.skip_checks) {
     out("\n== checks (fresh random inputs each run; outputs poisoned with NaN first)\n");
@@ -1156,15 +1175,20 @@ int main(int argc, char** argv) {
     cudaStream_t stream;  // outlives each check's SparseMatMul, whose buffers are freed on it
     CUDA_OK(cudaStreamCreate(&stream));
     for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-      check_tf_op_logic(t, stream);
+      if (ctx != nullptr || t == DType::kFloat32) check_tf_op_logic(t, stream);
+      else skipped(std::string("SparseMatMul's cache of cuSPARSELt operands, ") + dname(t));
       check_fallback(t, 3, 20, 12, stream);    // unaligned, plain kernel
       check_fallback(t, 8, 200, 48, stream);   // K % 16 != 0, up to 8 rows: plain kernel
       check_fallback(t, 37, 200, 48, stream);  // the same, cuBLAS on the decompressed weight
     }
     check_fallback(DType::kFloat32, 64, 1024, 256, stream);
     for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-      check_nonfinite(t, 40, 512, 256, stream);  // cuSPARSELt (fp32: cuBLAS)
-      check_nonfinite(t, 8, 512, 256, stream);   // cuSPARSELt, 16 padded rows (fp32: plain)
+      if (ctx != nullptr || t == DType::kFloat32) {
+        check_nonfinite(t, 40, 512, 256, stream);  // cuSPARSELt (fp32: cuBLAS)
+        check_nonfinite(t, 8, 512, 256, stream);   // cuSPARSELt, 16 padded rows (fp32: plain)
+      } else {
+        skipped(std::string("NaN/Inf through cuSPARSELt, ") + dname(t));
+      }
       check_nonfinite(t, 37, 200, 48, stream);   // cuBLAS on the decompressed weight
       check_nonfinite(t, 8, 200, 48, stream);    // plain kernel
     }
@@ -1173,7 +1197,8 @@ int main(int argc, char** argv) {
   }
 
   std::vector<Row> rows;
-  if (!args.skip_bench) {
+  if (!args.skip_bench && ctx == nullptr) skipped("benchmark (needs cuSPARSELt)");
+  if (!args.skip_bench && ctx != nullptr) {
     out("\n== benchmark: cuSPARSELt 2:4 vs cuBLAS dense (median ms of %d timed batches); each row\n"
         "   as it is measured, the whole table again at the end\n", args.reps);
     FILE* csv = nullptr;
@@ -1205,8 +1230,9 @@ int main(int argc, char** argv) {
         "launched back to back from the host: times of a few microseconds may be launch-bound.\n",
         (long)gpu::kLtRowMultiple);
   }
-  out("\ngpu_check: %s (%d failed check%s)\n", g_failures ? "FAILED" : "all checks passed",
-      g_failures, g_failures == 1 ? "" : "s");
+  out("\ngpu_check: %s (%d failed check%s, %d skipped)\n",
+      g_failures ? "FAILED" : g_skipped ? "INCOMPLETE" : "all checks passed", g_failures,
+      g_failures == 1 ? "" : "s", g_skipped);
   if (g_log) fclose(g_log);
-  return g_failures ? 1 : 0;
+  return g_failures ? 1 : g_skipped ? 3 : 0;
 }
