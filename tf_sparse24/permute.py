@@ -647,7 +647,7 @@ def _elementwise_op(graph: _Graph, name: str) -> bool:
         axis = attributes.pop("axis", None)
         if axis not in (-1, len(op.output.shape) - 1):
             return False
-    return all(map(_same_for_every_channel, [*attributes.values(), *graph.constants[name]]))
+    return all(map(_same_for_every_channel, [*attributes.values(), *graph.constants.get(name, [])]))
 
 
 def _carrying(graph: _Graph, name: str) -> list[int]:
