@@ -253,9 +253,9 @@ Status SparseMatMul::run_dense(const MatMulArgs& a, const Allocator& alloc, cuda
 }
 
 // This weight's cached `form`, made by `make` if new or known to have changed in place, after the
-// weight is fingerprinted and its meta validated (one wait for the stream, for both). On a hit (unless
-// trusted) this call's fingerprint is launched into (*out)->check and *verify is set: the caller
-// must then queue_repair after its matmul. Holds mu_.
+// weight is fingerprinted and its meta validated (one wait for the stream, for both). On a hit
+// (unless trusted) this call's fingerprint is launched into (*out)->check and *verify is set: the
+// caller must then queue_repair after its matmul. Holds mu_.
 Status SparseMatMul::cached(Form form, const MatMulArgs& a, const Allocator& alloc,
                             cudaStream_t stream, const MakeForm& make, CachedWeight** out,
                             bool* verify) {
