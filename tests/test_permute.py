@@ -683,6 +683,88 @@ def test_permute_stops_at_keras_ops_that_do_not_commute_with_a_channel_order():
     assert [r.consumers for r in reports if r.permuted] == [("d4",)]
 
 
+class _Scale(keras.layers.Layer):
+    """ConvNeXt's LayerScale: x * gamma, gamma [C] (a layer permute() has no rule for)."""
+
+    def build(self, shape):
+        self.gamma = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.gamma
+
+
+class _ScaledSum(keras.layers.Layer):
+    """InceptionResNetV2's CustomScaleLayer: inputs[0] + inputs[1] * scale."""
+
+    def __init__(self, scale=0.5, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = scale
+
+    def get_config(self):
+        return {**super().get_config(), "scale": self.scale}
+
+    def call(self, inputs):
+        return inputs[0] + inputs[1] * self.scale
+
+
+class _ChannelMix(keras.layers.Layer):
+    """Rolls the channels by one and scales them by a [C] vector: not channel by channel."""
+
+    def build(self, shape):
+        self.gamma = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return keras.ops.roll(x, 1, axis=-1) * self.gamma
+
+
+def test_permute_tries_layers_it_has_no_rule_for():
+    # ConvNeXt's block (grouped depthwise conv, LayerNorm, MLP, LayerScale, residual add) and a
+    # CustomScaleLayer residual; a layer that mixes channels and GroupNormalization stop a space.
+    inputs = keras.Input((6, 6, 8))
+    stem = keras.layers.Conv2D(16, 1, name="stem")(inputs)
+    x = keras.layers.Conv2D(16, 3, padding="same", groups=16, name="dw")(stem)
+    x = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+    x = keras.layers.Dense(32, activation="gelu", name="pw1")(x)
+    x = _Scale(name="scale")(keras.layers.Dense(16, name="pw2")(x))
+    x = keras.layers.Add()([stem, x])
+    branch = keras.layers.Conv2D(16, 1, name="branch")(x)
+    x = _ScaledSum(name="scaled_sum")([x, branch])
+    y = keras.layers.Conv2D(8, 1, name="mix_in")(x)
+    z = keras.layers.Conv2D(8, 1, name="gn_in")(x)
+    y = keras.layers.Conv2D(4, 1, name="after_mix")(_ChannelMix(name="mix")(y))
+    z = keras.layers.Conv2D(4, 1, name="after_gn")(keras.layers.GroupNormalization(2)(z))
+    model = keras.Model(inputs, keras.layers.Concatenate()([y, z]))
+    _randomize(model, seed=31)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(4, 6, 6, 8, seed=32))
+    report_of = {c: r for r in reports for c in r.consumers}  # report of each consumer
+    stream = report_of["pw1"]  # stem -> dw -> ... -> scale -> add -> scaled_sum -> mix_in, gn_in
+    assert stream.permuted and stream.producers == ("stem", "pw2", "branch")
+    assert stream.consumers == ("pw1", "branch", "mix_in", "gn_in")
+    assert not np.array_equal(permuted.get_layer("scale").gamma.numpy(),
+                              model.get_layer("scale").gamma.numpy())
+    assert "'mix' (_ChannelMix), which cannot be permuted" in report_of["after_mix"].reason
+    assert "(GroupNormalization), which cannot be permuted" in report_of["after_gn"].reason
+
+
+def test_permute_stops_at_a_layer_with_several_outputs():
+    inputs = keras.Input((5, 8))
+    seq, state, _ = keras.layers.LSTM(16, return_sequences=True, return_state=True)(inputs)
+    x = keras.layers.Dense(8, name="d1")(state)
+    model = keras.Model(inputs, [keras.layers.Dense(4, name="d2")(x), seq])
+    _randomize(model, seed=33)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 5, 8))
+    report_of = {c: r for r in reports for c in r.consumers}
+    assert re.fullmatch(r"its input channels come from 'lstm(_\d+)?' \(LSTM\), which has several "
+                        r"outputs", report_of["d1"].reason)
+    assert report_of["d2"].permuted
+
+
 @pytest.mark.parametrize("structure", ["dict", "nested list"])
 def test_permute_models_with_dict_and_nested_outputs(structure):
     inputs = keras.Input((16,))

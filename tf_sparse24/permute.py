@@ -476,10 +476,11 @@ class _Graph(NamedTuple):
     ops: dict[str, keras.Operation]
     inputs: dict[str, list[list[str]]]  # per call of an operation, the names of what it reads
     widths: dict[str, list[int | None]]  # channels (last axis) of each input of its first call
-    constants: dict[str, list]  # the non-tensor arguments of its first call (keras ops only)
+    calls: dict[str, dict]  # its first call's serialized arguments (Functional models only)
     consumers: dict[str, list[str]]  # the operations that read each one's output
     outputs: set[str]  # operations whose output is a model output
     hidden: set[str]  # layers also used inside another layer (a nested model): calls not seen here
+    probed: dict[str, bool]  # `_probe` results by layer name, filled as the walk asks
 
 
 def _tensor_specs(obj) -> list[dict]:
@@ -530,22 +531,21 @@ def _graph(model: keras.Model) -> _Graph:
             inputs.setdefault(name, []).append([source])  # a layer used twice: two calls
         widths = {layer.name: [layer.input.shape[-1] if layer.built else None]
                   for layer in model.layers}
-        constants = {}
+        calls = {}
         outputs = set(names[-1:])
     elif _is_functional(model):
         config = model.get_config()
         if "layers" not in config:  # a subclass with its own config (keras_hub): same graph
             config = keras.Model(model.input, model.output, name=model.name).get_config()
         ops = {op.name: op for op in model.operations}
-        calls = {spec["name"]: [_tensor_specs(node) for node in spec.get("inbound_nodes", [])]
-                 for spec in config["layers"]}
+        tensors = {spec["name"]: [_tensor_specs(node) for node in spec.get("inbound_nodes", [])]
+                   for spec in config["layers"]}
         inputs = {name: [[t["keras_history"][0] for t in call] for call in node_specs]
-                  for name, node_specs in calls.items()}
+                  for name, node_specs in tensors.items()}
         widths = {name: [t["shape"][-1] if t["shape"] else None for t in node_specs[0]]
-                  for name, node_specs in calls.items() if node_specs}
-        constants = {spec["name"]: _constants(spec["inbound_nodes"][0]) for spec in config["layers"]
-                     if spec.get("inbound_nodes") and not isinstance(ops[spec["name"]],
-                                                                     keras.layers.Layer)}
+                  for name, node_specs in tensors.items() if node_specs}
+        calls = {spec["name"]: spec["inbound_nodes"][0] for spec in config["layers"]
+                 if spec.get("inbound_nodes")}
         outputs = set(_output_names(config["output_layers"]))
     else:
         raise TypeError(
@@ -559,7 +559,7 @@ def _graph(model: keras.Model) -> _Graph:
                 consumers.setdefault(source, []).append(name)
     inside = {id(sub) for layer in model.layers for sub in walk_layers(layer)}
     hidden = {name for name, op in ops.items() if id(op) in inside}
-    return _Graph(ops, inputs, widths, constants, consumers, outputs, hidden)
+    return _Graph(ops, inputs, widths, calls, consumers, outputs, hidden, {})
 
 
 def _describe(op) -> str:
@@ -608,6 +608,13 @@ def _output_kernel(layer):
     return None
 
 
+def _grouped_depthwise(layer) -> bool:
+    """Whether `layer` is a ConvND with one group per channel (ConvNeXt's depthwise convolution:
+    `Conv2D(C, 7, groups=C)`, kernel [..., 1, C]): per channel, like DepthwiseConv."""
+    return (type(layer).__name__ in _KERNEL_LAYERS - {"Dense"} and layer.built
+            and layer.groups > 1 and layer.groups == layer.filters == layer.input.shape[-1])
+
+
 def _passes(layer) -> bool:
     """Whether an unshared `layer` commutes with a permutation of its input's last axis."""
     kind = type(layer).__name__
@@ -617,6 +624,8 @@ def _passes(layer) -> bool:
         return False
     if kind in _DEPTHWISE:  # one filter per channel; a multiplier > 1 interleaves outputs
         return layer.depth_multiplier == 1
+    if _grouped_depthwise(layer):
+        return True
     if kind in (*_PER_CHANNEL, "Softmax"):  # normalizes over an axis: the channel axis only
         axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
         return list(axis) in ([-1], [len(layer.input.shape) - 1])
@@ -647,7 +656,8 @@ def _elementwise_op(graph: _Graph, name: str) -> bool:
         axis = attributes.pop("axis", None)
         if axis not in (-1, len(op.output.shape) - 1):
             return False
-    return all(map(_same_for_every_channel, [*attributes.values(), *graph.constants.get(name, [])]))
+    constants = _constants(graph.calls.get(name, {}))
+    return all(map(_same_for_every_channel, [*attributes.values(), *constants]))
 
 
 def _carrying(graph: _Graph, name: str) -> list[int]:
@@ -661,13 +671,77 @@ def _carrying(graph: _Graph, name: str) -> list[int]:
     op = graph.ops[name]
     if _passes(op):
         return [0]
+    channels, widths = _output_channels(op), graph.widths.get(name, [])
+    if channels is None or not widths or any(w not in (channels, 1) for w in widths):
+        return []
     merges = isinstance(op, keras.layers.Layer) and type(op).__name__ in _MERGE
-    if not (merges or _elementwise_op(graph, name)):
-        return []
-    channels, widths = op.output.shape[-1], graph.widths.get(name, [])
-    if channels is None or any(w not in (channels, 1) for w in widths):
-        return []
-    return [i for i, w in enumerate(widths) if w == channels]
+    if merges or _elementwise_op(graph, name):
+        return [i for i, w in enumerate(widths) if w == channels]
+    if all(w == channels for w in widths) and _probe(graph, name):
+        return list(range(len(widths)))
+    return []
+
+
+def _probe(graph: _Graph, name: str) -> bool:
+    """Whether a layer permute() does not know acts channel by channel, found by running a copy of
+    it (ConvNeXt's LayerScale `x * gamma`, InceptionResNetV2's CustomScaleLayer `a + b * s`).
+
+    Only for layers whose weights are all `[C]` vectors and whose inputs and output all have C
+    channels: the copy runs on random inputs, then on the same inputs with their channels
+    reordered and its weights reordered alike, for the permutations (0 1), (0 1 ... C-1), which
+    generate all of them, and one at random; the outputs must differ only by that reordering.
+    Anything that cannot be copied (from_config), run or compared counts as not channel by
+    channel. Cached per layer name in `graph.probed`.
+    """
+    if name not in graph.probed:
+        graph.probed[name] = _commutes_when_run(graph, name)
+    return graph.probed[name]
+
+
+def _commutes_when_run(graph: _Graph, name: str) -> bool:
+    layer, channels = graph.ops[name], _output_channels(graph.ops[name])
+    if (channels is None or channels < 2 or not isinstance(layer, keras.layers.Layer)
+            or isinstance(layer, (keras.Model, keras.layers.InputLayer)) or not layer.built
+            or any(tuple(w.shape) != (channels,) for w in layer.weights)):
+        return False
+    call = graph.calls.get(name, {})  # a Sequential layer: called on its one input
+    kwargs, args = call.get("kwargs", {}), call.get("args", [])
+    shapes = [t["shape"] for t in _tensor_specs(call)] if call else [layer.input.shape]
+    packed = len(args) == 1 and isinstance(args[0], (list, tuple))  # layer([a, b])
+    if not all(map(_same_for_every_channel, kwargs.values())) or (
+            call and len(args) != (1 if packed else len(shapes))):
+        return False
+    rng = np.random.default_rng(0)
+    inputs = [rng.normal(size=[2 if d is None else d for d in shape]).astype("float32")
+              for shape in shapes]
+    weights = [np.asarray(w) for w in layer.get_weights()]
+
+    def run(copy, perm: np.ndarray) -> np.ndarray:
+        moved = [x[..., perm] for x in inputs]
+        if weights:
+            copy.set_weights([w[perm] for w in weights])
+        out = copy(moved, **kwargs) if packed else copy(*moved, **kwargs)
+        return keras.ops.convert_to_numpy(out).astype("float64")
+
+    try:
+        copy = type(layer).from_config(layer.get_config())
+        identity = np.arange(channels)
+        if weights:  # built by a first call, so that its weights can be set
+            copy(inputs, **kwargs) if packed else copy(*inputs, **kwargs)
+        expected = run(copy, identity)
+        scale = max(1.0, float(np.abs(expected).max()))
+        perms = (np.r_[1, 0, 2:channels], np.roll(identity, 1), rng.permutation(channels))
+        return bool(np.isfinite(expected).all()) and all(
+            np.allclose(run(copy, perm), expected[..., perm], rtol=1e-5, atol=1e-6 * scale)
+            for perm in perms)
+    except Exception:  # noqa: BLE001 - a layer that cannot be tried is not used
+        return False
+
+
+def _output_channels(op) -> int | None:
+    """The last dimension of `op`'s one output (None: unknown, or several outputs)."""
+    output = op.output
+    return output.shape[-1] if isinstance(output, keras.KerasTensor) else None
 
 
 def _segments(graph: _Graph, name: str) -> list[int]:
@@ -742,11 +816,15 @@ def _space(graph: _Graph, seed: str) -> _Space:
         if why := _shared(graph, name):
             reasons.append(f"its input channels come from {_describe(op)}, which {why}")
             continue
-        if not channels and op.output.shape[-1] is None:
+        if not isinstance(op.output, keras.KerasTensor):
+            reasons.append(f"its input channels come from {_describe(op)}, which has several "
+                           "outputs")
+            continue
+        if not channels and _output_channels(op) is None:
             reasons.append(f"{_describe(op)} has an unknown number of channels")
             continue
-        channels = channels or int(op.output.shape[-1])
-        if offset == 0 and op.output.shape[-1] == channels:
+        channels = channels or int(_output_channels(op))
+        if offset == 0 and _output_channels(op) == channels:
             whole.add(name)
         if _output_kernel(op) is not None:
             producers[name] = offset
@@ -880,24 +958,28 @@ def permute(
     For each channel space (a set of channels that Dense/ConvND or SeparableConv "producers" write
     and Dense/ConvND or SeparableConv (depth_multiplier 1) "consumers" read, through activations,
     dropout, pooling, reshapes that keep the last axis, BatchNormalization, LayerNormalization,
-    depthwise convolutions with depth_multiplier 1, elementwise merges such as residual adds and
-    squeeze-excite products, which join their inputs' spaces (merge layers or keras ops: `x + y`,
-    `x * keras.ops.relu6(x + 3.0) / 6.0`; a one-channel input broadcast over the others is left
-    alone), and concatenations along the channels, past which the space is a slice at an offset),
-    searches one channel order for all the consumers' kernels together (`search_permutation`) and
-    applies it to the consumers' kernel input axis (and depthwise filters), every producer's
-    (pointwise) kernel output axis and bias, and every per-channel weight in between, each at its
-    offset. The copy (made as `tf_sparse24.prune` makes
-    its copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
+    depthwise convolutions with depth_multiplier 1 (DepthwiseConv, or ConvND with groups equal to
+    its channels), elementwise merges such as residual adds and squeeze-excite products, which join
+    their inputs' spaces (merge layers or keras ops: `x + y`, `x * keras.ops.relu6(x + 3.0) / 6.0`;
+    a one-channel input broadcast over the others is left alone), and concatenations along the
+    channels, past which the space is a slice at an offset), searches one channel order for all the
+    consumers' kernels together (`search_permutation`) and applies it to the consumers' kernel
+    input axis (and depthwise filters), every producer's (pointwise) kernel output axis and bias,
+    and every per-channel weight in between, each at its offset. A layer with no rule here whose
+    weights are all `[C]` vectors (ConvNeXt's LayerScale, a user's `x * gamma`) is tried: a copy
+    of it is run on random inputs with and without its channels reordered, and it is followed if
+    it acts channel by channel. The copy of the model (made as `tf_sparse24.prune` makes its
+    copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
     more. Run it on the trained dense model, before `tf_sparse24.prune`. The caller's model is not
     changed.
 
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
-    shared layer (called twice, or also inside a nested model), a keras op that is not elementwise
-    (`x[:, :16]`, `keras.ops.flip`) or has a per-channel constant (`x + np.arange(16)`), any other
-    layer not known to commute with a channel permutation; quantized or LoRA-enabled layers;
-    channel counts that are not a multiple of 4 or above `max_channels`, and slices of a
-    concatenation that start at an input channel that is not a multiple of 4.
+    shared layer (called twice, or also inside a nested model), a layer with several outputs, a
+    keras op that is not elementwise (`x[:, :16]`, `keras.ops.flip`) or has a per-channel constant
+    (`x + np.arange(16)`), any other layer not found to commute with a channel permutation;
+    quantized or LoRA-enabled layers; channel counts that are not a multiple of 4 or above
+    `max_channels`, and slices of a concatenation that start at an input channel that is not a
+    multiple of 4.
 
     Args:
         model: a built Functional or Sequential keras.Model.
@@ -975,9 +1057,12 @@ def _apply(model: keras.Model, space: _Space, perm: np.ndarray) -> None:
             take(layer.bias, 0, offset)
     layers = {layer.name: layer for layer in model.layers}  # not keras ops: they have no weights
     for name, offset in space.through.items():
-        # BatchNormalization/LayerNormalization: all [C]; depthwise: kernel [..., C, 1], bias [C].
-        for variable in layers[name].weights if name in layers else []:
-            take(variable, 0 if variable.ndim == 1 else variable.ndim - 2, offset)
+        # BatchNormalization/LayerNormalization and probed layers: all [C]; depthwise: kernel
+        # [..., C, 1], bias [C]; grouped depthwise ConvND: kernel [..., 1, C], bias [C].
+        layer = layers.get(name)
+        for variable in layer.weights if layer is not None else []:
+            axis = variable.ndim - (1 if _grouped_depthwise(layer) else 2)
+            take(variable, 0 if variable.ndim == 1 else axis, offset)
     for name, offset in space.consumers.items():
         layer = model.get_layer(name)
         kernels = [_input_kernel(layer)]
