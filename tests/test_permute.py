@@ -749,6 +749,44 @@ def test_permute_tries_layers_it_has_no_rule_for():
     assert "(GroupNormalization), which cannot be permuted" in report_of["after_gn"].reason
 
 
+def test_permute_runs_through_nested_sequential_models():
+    # ConvNeXt's stem Sequential([Conv2D, LayerNorm]) and downsampling Sequential([LayerNorm,
+    # Conv2D]): spaces enter and leave them; a nested Sequential called twice stops a space.
+    layers = keras.layers
+    stem = keras.Sequential([layers.Conv2D(16, 2, strides=2, name="stem_conv"),
+                             layers.LayerNormalization(name="stem_ln")], name="stem")
+    down = keras.Sequential([layers.LayerNormalization(name="down_ln"),
+                             layers.Conv2D(8, 2, strides=2, name="down_conv")], name="down")
+    twice = keras.Sequential([layers.Dense(8, name="twice_dense")], name="twice")
+    inputs = keras.Input((8, 8, 4))
+    x = stem(inputs)
+    x = layers.Add()([x, layers.Conv2D(16, 1, name="block")(x)])
+    x = down(x)
+    y = layers.GlobalAveragePooling2D()(x)
+    outputs = layers.Dense(4, name="head")(twice(twice(y)))
+    model = keras.Model(inputs, outputs)
+    _randomize(model, seed=34)
+    before = [w.copy() for w in model.get_weights()]
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 8, 8, 4, seed=35))
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)  # the caller's model, nested ones included
+    report_of = {c: r for r in reports for c in r.consumers}
+    stream = report_of["block"]
+    assert stream.permuted and stream.producers == ("stem/stem_conv", "block")
+    assert stream.consumers == ("block", "down/down_conv")
+    for name in ("stem", "down"):
+        assert not all(np.array_equal(a, b) for a, b in zip(
+            permuted.get_layer(name).get_weights(), model.get_layer(name).get_weights()))
+    assert report_of["head"].reason == (
+        "its input channels come from 'twice' (Sequential), which is shared (called 2 times)")
+    with pytest.raises(ValueError, match=r"\['twice_dense'\] sit inside a nested model"):
+        permute(model, layers="twice_dense", kicks=1, progress=False)
+    assert permute(model, layers="down_conv", kicks=1, progress=False)[1][0].permuted
+
+
 def test_permute_stops_at_a_layer_with_several_outputs():
     inputs = keras.Input((5, 8))
     seq, state, _ = keras.layers.LSTM(16, return_sequences=True, return_state=True)(inputs)

@@ -552,14 +552,46 @@ def _graph(model: keras.Model) -> _Graph:
             "permute() needs a Functional or Sequential keras.Model (it reads the layer graph). "
             f"Received: {type(model).__name__}"
         )
+    ops, inlined = _inline_sequentials(ops, inputs, widths, outputs)
     consumers: dict[str, list[str]] = {name: [] for name in inputs}
     for name, nodes in inputs.items():
         for node in nodes:
             for source in node:
                 consumers.setdefault(source, []).append(name)
-    inside = {id(sub) for layer in model.layers for sub in walk_layers(layer)}
+    inside = {id(sub) for layer in model.layers if id(layer) not in inlined
+              for sub in walk_layers(layer)}
     hidden = {name for name, op in ops.items() if id(op) in inside}
     return _Graph(ops, inputs, widths, calls, consumers, outputs, hidden, {})
+
+
+def _inline_sequentials(
+    ops: dict, inputs: dict, widths: dict, outputs: set
+) -> tuple[dict, set[int]]:
+    """Replaces each nested Sequential model that is called once, nests no model and whose layers
+    are used nowhere else by its chain of layers, named 'outer/inner', so that channel spaces run
+    through it (ConvNeXt's stem and downsampling blocks). Updates inputs, widths and outputs in
+    place; returns the new ops (graph order kept) and the ids of the models inlined."""
+    top = {id(op) for op in ops.values()}
+    new_ops, inlined = {}, set()
+    for name, op in ops.items():
+        layers = op.layers if isinstance(op, keras.Sequential) else []
+        if (not layers or len(inputs.get(name, [])) != 1 or len(inputs[name][0]) != 1
+                or not all(layer.built for layer in layers)
+                or any(id(layer) in top or isinstance(layer, keras.Model) for layer in layers)
+                or len({id(layer) for layer in layers}) != len(layers)):
+            new_ops[name] = op
+            continue
+        paths = [f"{name}/{layer.name}" for layer in layers]
+        for path, layer, source in zip(paths, layers, [inputs.pop(name)[0][0], *paths]):
+            new_ops[path], inputs[path], widths[path] = layer, [[source]], [layer.input.shape[-1]]
+        for nodes in inputs.values():  # its readers now read its last layer
+            for node in nodes:
+                node[:] = [paths[-1] if source == name else source for source in node]
+        if name in outputs:
+            outputs.remove(name)
+            outputs.add(paths[-1])
+        inlined.add(id(op))
+    return new_ops, inlined
 
 
 def _describe(op) -> str:
@@ -1010,7 +1042,8 @@ def permute(
     _check_model(model, "permute")
     graph = _graph(model)
     selectors = _check_selectors(model, layers, "layers")
-    if inner := [s for s in selectors if isinstance(s, str) and s not in graph.ops]:
+    names = {*graph.ops, *(path.rsplit("/", 1)[-1] for path in graph.ops)}
+    if inner := [s for s in selectors if isinstance(s, str) and s not in names]:
         raise ValueError(
             f"layers: {inner} sit inside a nested model or layer of model {model.name!r}; "
             "permute() reorders the channels of its top-level graph only."
@@ -1051,22 +1084,32 @@ def _apply(model: keras.Model, space: _Space, perm: np.ndarray) -> None:
         variable.assign(np.take(values, index, axis=axis))
 
     for name, offset in space.producers.items():
-        layer = model.get_layer(name)
+        layer = _layer_at(model, name)
         take(_output_kernel(layer), -1, offset)
         if getattr(layer, "bias", None) is not None:
             take(layer.bias, 0, offset)
-    layers = {layer.name: layer for layer in model.layers}  # not keras ops: they have no weights
     for name, offset in space.through.items():
         # BatchNormalization/LayerNormalization and probed layers: all [C]; depthwise: kernel
         # [..., C, 1], bias [C]; grouped depthwise ConvND: kernel [..., 1, C], bias [C].
-        layer = layers.get(name)
+        layer = _layer_at(model, name)  # None for a keras op: no weights
         for variable in layer.weights if layer is not None else []:
             axis = variable.ndim - (1 if _grouped_depthwise(layer) else 2)
             take(variable, 0 if variable.ndim == 1 else axis, offset)
     for name, offset in space.consumers.items():
-        layer = model.get_layer(name)
+        layer = _layer_at(model, name)
         kernels = [_input_kernel(layer)]
         if type(layer).__name__ in _SEPARABLE:
             kernels.append(layer.depthwise_kernel)  # [..., C, 1]
         for kernel in kernels:
             take(kernel, kernel.ndim - 2, offset)
+
+
+def _layer_at(model: keras.Model, path: str) -> keras.layers.Layer | None:
+    """The layer a graph name stands for ('outer/inner' inside an inlined Sequential); None for a
+    keras op."""
+    layer = model
+    for part in path.split("/"):
+        layer = {sub.name: sub for sub in layer.layers}.get(part)
+        if layer is None:
+            return None
+    return layer
