@@ -1,11 +1,12 @@
 """How much of a real architecture `tf_sparse24.permute` reaches, and that it keeps the function.
 
 For each keras.applications model (random weights: nothing is downloaded; 32x32x3 inputs unless
---size says otherwise, 10 classes; BatchNorm statistics randomized so that a misaligned channel
-would show; float64 so that rounding does not hide one): the channel spaces permuted and skipped
-(with the most common skip reasons), how many of the model's Dense/Conv/SeparableConv layers read a
-permuted space (their input channels reordered: what 2:4 groups), permute's wall time, and the
-largest |output difference| between the model and its permuted copy.
+--size says otherwise, 10 classes; every 1-D weight (biases, BatchNorm and LayerNorm parameters and
+statistics, LayerScale) randomized so that a misaligned channel would show; float64 so that rounding
+does not hide one): the channel spaces permuted and skipped (with the most common skip reasons), how
+many of the model's Dense/Conv (groups=1)/SeparableConv layers read a permuted space (their input
+channels reordered: what 2:4 groups), permute's wall time, and the largest |output difference|
+between the model and its permuted copy.
 
     .venv/bin/python bench/permute_coverage.py                        # ResNet50 MobileNetV2 EfficientNetB0
     .venv/bin/python bench/permute_coverage.py Xception --size 71     # Xception needs >= 71x71
@@ -23,14 +24,21 @@ import numpy as np
 CONSUMERS = ("Dense", "Conv1D", "Conv2D", "Conv3D", "SeparableConv1D", "SeparableConv2D")
 
 
-def randomize_batch_norm(model: keras.Model, rng: np.random.Generator) -> None:
-    """gamma and moving variance in [0.5, 1.5), beta and moving mean ~ N(0, 0.3)."""
-    for layer in model.layers:
-        if isinstance(layer, keras.layers.BatchNormalization):
-            names = [w.path.rsplit("/", 1)[-1] for w in layer.weights]
-            layer.set_weights([rng.uniform(0.5, 1.5, w.shape) if n in ("gamma", "moving_variance")
-                               else rng.normal(0, 0.3, w.shape)
-                               for n, w in zip(names, layer.get_weights())])
+def all_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """The model's layers, those of nested models included (ConvNeXt nests Sequential blocks)."""
+    return [sub for layer in model.layers
+            for sub in (all_layers(layer) if isinstance(layer, keras.Model) else [layer])]
+
+
+def randomize_vectors(model: keras.Model, rng: np.random.Generator) -> None:
+    """Every 1-D weight random, so that one misaligned channel shows in the output: scales (gamma,
+    moving variance, LayerScale) in [0.5, 1.5), the rest (biases, beta, moving mean) ~ N(0, 0.3)."""
+    for layer in all_layers(model):
+        for w in layer.weights:
+            if w.ndim == 1:
+                name = w.path.rsplit("/", 1)[-1]
+                scale = name in ("gamma", "moving_variance")
+                w.assign(rng.uniform(0.5, 1.5, w.shape) if scale else rng.normal(0, 0.3, w.shape))
 
 
 def main() -> None:
@@ -51,12 +59,13 @@ def main() -> None:
         rng = np.random.default_rng(args.seed)
         model = getattr(keras.applications, name)(
             weights=None, input_shape=(args.size, args.size, 3), classes=10)
-        randomize_batch_norm(model, rng)
+        randomize_vectors(model, rng)
         x = rng.normal(size=(2, args.size, args.size, 3))
         start = time.perf_counter()
         permuted, reports = tf_sparse24.permute(model, seed=args.seed, progress=False)
         seconds = time.perf_counter() - start
-        kernels = sum(type(layer).__name__ in CONSUMERS for layer in model.layers)
+        kernels = sum(type(layer).__name__ in CONSUMERS and getattr(layer, "groups", 1) == 1
+                      for layer in all_layers(model))  # permute leaves grouped convs alone
         done = [r for r in reports if r.permuted]
         before = np.asarray(model(x, training=False))
         diff = np.abs(np.asarray(permuted(x, training=False)) - before).max()
