@@ -995,23 +995,24 @@ def permute(
     their inputs' spaces (merge layers or keras ops: `x + y`, `x * keras.ops.relu6(x + 3.0) / 6.0`;
     a one-channel input broadcast over the others is left alone), and concatenations along the
     channels, past which the space is a slice at an offset), searches one channel order for all the
-    consumers' kernels together (`search_permutation`) and applies it to the consumers' kernel
-    input axis (and depthwise filters), every producer's (pointwise) kernel output axis and bias,
-    and every per-channel weight in between, each at its offset. A layer with no rule here whose
-    weights are all `[C]` vectors (ConvNeXt's LayerScale, a user's `x * gamma`) is tried: a copy
-    of it is run on random inputs with and without its channels reordered, and it is followed if
-    it acts channel by channel. The copy of the model (made as `tf_sparse24.prune` makes its
-    copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
+    consumers' kernels together (`search_permutation`) and applies it to the consumers' kernel input
+    axis (and depthwise filters), every producer's (pointwise) kernel output axis and bias, and
+    every per-channel weight in between, each at its offset. A layer with no rule here whose weights
+    are all `[C]` vectors (ConvNeXt's LayerScale, a user's `x * gamma`) is tried: a copy of it is
+    run on random inputs with and without its channels reordered, and it is followed if it acts
+    channel by channel. A nested Sequential model called once is followed through as the chain of
+    its layers (reported as 'outer/inner'). The copy of the model (made as `tf_sparse24.prune` makes
+    its copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
     more. Run it on the trained dense model, before `tf_sparse24.prune`. The caller's model is not
     changed.
 
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
-    shared layer (called twice, or also inside a nested model), a layer with several outputs, a
-    keras op that is not elementwise (`x[:, :16]`, `keras.ops.flip`) or has a per-channel constant
-    (`x + np.arange(16)`), any other layer not found to commute with a channel permutation;
-    quantized or LoRA-enabled layers; channel counts that are not a multiple of 4 or above
-    `max_channels`, and slices of a concatenation that start at an input channel that is not a
-    multiple of 4.
+    shared layer (called twice, or also inside a nested model), a nested Functional model, a layer
+    with several outputs, a keras op that is not elementwise (`x[:, :16]`, `keras.ops.flip`) or has
+    a per-channel constant (`x + np.arange(16)`), any other layer not found to commute with a
+    channel permutation; quantized or LoRA-enabled layers; channel counts that are not a multiple of
+    4 or above `max_channels`, and slices of a concatenation that start at an input channel that is
+    not a multiple of 4.
 
     Args:
         model: a built Functional or Sequential keras.Model.
