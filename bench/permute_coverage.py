@@ -32,8 +32,11 @@ def all_layers(model: keras.Model) -> list[keras.layers.Layer]:
 
 def randomize_vectors(model: keras.Model, rng: np.random.Generator) -> None:
     """Every 1-D weight random, so that one misaligned channel shows in the output: scales (gamma,
-    moving variance, LayerScale) in [0.5, 1.5), the rest (biases, beta, moving mean) ~ N(0, 0.3)."""
+    moving variance) in [0.5, 1.5), the rest (biases, beta, moving mean, LayerScale) ~ N(0, 0.3).
+    Not Normalization's input statistics (preprocessing state, cached when the layer is built)."""
     for layer in all_layers(model):
+        if isinstance(layer, keras.layers.Normalization):
+            continue
         for w in layer.weights:
             if w.ndim == 1:
                 name = w.path.rsplit("/", 1)[-1]
