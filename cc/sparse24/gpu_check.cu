@@ -960,9 +960,9 @@ Row bench(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N,
   // The TensorFlow op's device work per call on a cached, unchanged weight (docs/GPU.md): this
   // call's fingerprint of values+meta, the default-config matmul, then the repair kernel, which
   // finds the fingerprint unchanged and leaves y alone, and the NaN/Inf kernel, which reads x and
-  // finds it finite. Not in it: the copies padding x and
-  // unpadding y, the fingerprint's copy to the host and its event, the host's cache lookup.
-  // Timed before the search below changes copy 0's plan.
+  // finds it finite. Not in it: the copies padding x and unpadding y, the fingerprint's copy to
+  // the host and its event, the host's cache lookup. Timed before the search below changes copy
+  // 0's plan.
   Buf checks(copies * sizeof(unsigned long long));
   auto fingerprint_into = [&](int i) {
     CUDA_OK(gpu::fingerprint_weight(ps[i].values.p, ps[i].values.bytes,
@@ -1121,7 +1121,7 @@ int main(int argc, char** argv) {
   // Without cuSPARSELt a dry run fails at once; a real run still checks everything that does not
   // need it (compress, decompress, the plain kernel, cuBLAS, the fallback paths, NaN/Inf), skips
   // the rest and the benchmark, and exits 3.
-  std::string error, lt_error;
+  std::string lt_error;
   const bool lt_loaded = sparse24::lt::load_cusparselt(&lt_error);
   if (!lt_loaded && args.dry_run) die(3, lt_error);
   if (lt_loaded) {
