@@ -10,6 +10,7 @@ between the model and its permuted copy.
 
     .venv/bin/python bench/permute_coverage.py                        # ResNet50 MobileNetV2 EfficientNetB0
     .venv/bin/python bench/permute_coverage.py Xception --size 71     # Xception needs >= 71x71
+    .venv/bin/python bench/permute_coverage.py --as-base MobileNetV2  # nested, as in fine-tuning
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def main() -> None:
     parser.add_argument("models", nargs="*", default=["ResNet50", "MobileNetV2", "EfficientNetB0"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", type=int, default=32, help="input height and width")
+    parser.add_argument("--as-base", action="store_true",
+                        help="nest the model (include_top=False) in a transfer-learning model: "
+                             "input -> base -> global average pooling -> Dense(10)")
     args = parser.parse_args()
     keras.config.set_floatx("float64")
     import tf_sparse24
@@ -60,8 +64,16 @@ def main() -> None:
     for name in args.models:
         keras.utils.set_random_seed(args.seed)
         rng = np.random.default_rng(args.seed)
-        model = getattr(keras.applications, name)(
-            weights=None, input_shape=(args.size, args.size, 3), classes=10)
+        shape = (args.size, args.size, 3)
+        if args.as_base:
+            base = getattr(keras.applications, name)(
+                weights=None, input_shape=shape, include_top=False)
+            inputs = keras.Input(shape)
+            pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
+            model = keras.Model(inputs, keras.layers.Dense(10, name="head")(pooled))
+            name = f"{name} as a base model"
+        else:
+            model = getattr(keras.applications, name)(weights=None, input_shape=shape, classes=10)
         randomize_vectors(model, rng)
         x = rng.normal(size=(2, args.size, args.size, 3))
         start = time.perf_counter()

@@ -787,6 +787,43 @@ def test_permute_runs_through_nested_sequential_models():
     assert permute(model, layers="down_conv", kicks=1, progress=False)[1][0].permuted
 
 
+def test_permute_runs_through_a_nested_functional_base_model():
+    # Transfer learning: a Functional base model (conv, BatchNorm, residual add) inside the model
+    # being pruned; spaces inside it, across its boundary, and a nested model with two inputs,
+    # which is not followed.
+    layers = keras.layers
+    base_in = keras.Input((6, 6, 4))
+    c0 = layers.Conv2D(16, 1, name="c0")(base_in)
+    h = layers.ReLU()(layers.BatchNormalization(name="bn")(layers.Conv2D(8, 1, name="c1")(c0)))
+    base_out = layers.Add()([c0, layers.Conv2D(16, 1, name="c2")(h)])
+    base = keras.Model(base_in, base_out, name="base")
+    a, b = keras.Input((16,)), keras.Input((16,))
+    pair = keras.Model([a, b], layers.Add()([a, b]), name="pair")
+    inputs = keras.Input((6, 6, 4))
+    x = layers.GlobalAveragePooling2D()(base(inputs))
+    y = layers.Dense(16, name="head0")(x)
+    outputs = layers.Dense(4, name="head1")(pair([y, layers.Dense(16, name="side")(x)]))
+    model = keras.Model(inputs, outputs)
+    _randomize(model, seed=36)
+    before = [w.copy() for w in model.get_weights()]
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 6, 6, 4, seed=37))
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    report_of = {c: r for r in reports for c in r.consumers}
+    stream = report_of["base/c1"]  # the residual stream crosses the base model's output
+    assert stream.permuted and stream.producers == ("base/c0", "base/c2")
+    assert stream.consumers == ("base/c1", "head0", "side")
+    inner = report_of["base/c2"]
+    assert inner.permuted and inner.producers == ("base/c1",)
+    assert report_of["head1"].reason == ("its input channels come from 'pair' (Functional), which "
+                                         "combines several inputs other than channel by channel")
+    assert not np.array_equal(permuted.get_layer("base").get_layer("bn").gamma.numpy(),
+                              model.get_layer("base").get_layer("bn").gamma.numpy())
+
+
 def test_permute_stops_at_a_layer_with_several_outputs():
     inputs = keras.Input((5, 8))
     seq, state, _ = keras.layers.LSTM(16, return_sequences=True, return_state=True)(inputs)
@@ -898,6 +935,6 @@ def test_permute_layers_inside_a_nested_model_are_an_error_not_a_silent_no_op():
     inner_in = keras.Input((16,))
     inner = keras.Model(inner_in, keras.layers.Dense(16, name="inner_b")(inner_in), name="inner")
     inp = keras.Input((16,))
-    model = keras.Model(inp, keras.layers.Dense(4, name="out")(inner(inp)))
+    model = keras.Model(inp, keras.layers.Dense(4, name="out")(inner(inner(inp))))  # shared
     with pytest.raises(ValueError, match=r"\['inner_b'\] sit inside a nested model"):
         permute(model, layers="inner_b", kicks=1, progress=False)

@@ -552,7 +552,7 @@ def _graph(model: keras.Model) -> _Graph:
             "permute() needs a Functional or Sequential keras.Model (it reads the layer graph). "
             f"Received: {type(model).__name__}"
         )
-    ops, inlined = _inline_sequentials(ops, inputs, widths, outputs)
+    ops, inlined, hidden = _inline_models(ops, inputs, widths, calls, outputs)
     consumers: dict[str, list[str]] = {name: [] for name in inputs}
     for name, nodes in inputs.items():
         for node in nodes:
@@ -560,38 +560,73 @@ def _graph(model: keras.Model) -> _Graph:
                 consumers.setdefault(source, []).append(name)
     inside = {id(sub) for layer in model.layers if id(layer) not in inlined
               for sub in walk_layers(layer)}
-    hidden = {name for name, op in ops.items() if id(op) in inside}
+    hidden |= {name for name, op in ops.items() if id(op) in inside}
     return _Graph(ops, inputs, widths, calls, consumers, outputs, hidden, {})
 
 
-def _inline_sequentials(
-    ops: dict, inputs: dict, widths: dict, outputs: set
-) -> tuple[dict, set[int]]:
-    """Replaces each nested Sequential model that is called once, nests no model and whose layers
-    are used nowhere else by its chain of layers, named 'outer/inner', so that channel spaces run
-    through it (ConvNeXt's stem and downsampling blocks). Updates inputs, widths and outputs in
-    place; returns the new ops (graph order kept) and the ids of the models inlined."""
+def _inline_models(
+    ops: dict, inputs: dict, widths: dict, calls: dict, outputs: set
+) -> tuple[dict, set[int], set[str]]:
+    """Replaces each nested model (Sequential or Functional) that is called once on one tensor, has
+    one output and shares no layer with the graph around it by its own graph, its layers named
+    'outer/inner', so that channel spaces run through it (a keras.applications base model inside a
+    transfer-learning model; ConvNeXt's stem and downsampling blocks). Updates inputs, widths,
+    calls and outputs in place; returns the new ops (graph order kept), the ids of the models
+    inlined and the names of their hidden (shared) layers."""
     top = {id(op) for op in ops.values()}
-    new_ops, inlined = {}, set()
+    new_ops, inlined, hidden = {}, set(), set()
     for name, op in ops.items():
-        layers = op.layers if isinstance(op, keras.Sequential) else []
-        if (not layers or len(inputs.get(name, [])) != 1 or len(inputs[name][0]) != 1
-                or not all(layer.built for layer in layers)
-                or any(id(layer) in top or isinstance(layer, keras.Model) for layer in layers)
-                or len({id(layer) for layer in layers}) != len(layers)):
+        sub = _inlinable_graph(op, inputs.get(name, []), top)
+        if sub is None:
             new_ops[name] = op
             continue
-        paths = [f"{name}/{layer.name}" for layer in layers]
-        for path, layer, source in zip(paths, layers, [inputs.pop(name)[0][0], *paths]):
-            new_ops[path], inputs[path], widths[path] = layer, [[source]], [layer.input.shape[-1]]
-        for nodes in inputs.values():  # its readers now read its last layer
+        starts = {_MODEL_INPUT, *(n for n, o in sub.ops.items()
+                                  if isinstance(o, keras.layers.InputLayer))}
+        source = inputs.pop(name)[0][0]
+
+        def path(n: str, name=name, source=source, starts=starts) -> str:
+            return source if n in starts else f"{name}/{n}"
+
+        for n, sub_op in sub.ops.items():
+            if n not in starts:
+                new_ops[path(n)] = sub_op
+                inputs[path(n)] = [[path(s) for s in node] for node in sub.inputs.get(n, [])]
+                if n in sub.widths:
+                    widths[path(n)] = sub.widths[n]
+                if n in sub.calls:
+                    calls[path(n)] = sub.calls[n]
+        hidden |= {path(n) for n in sub.hidden}
+        last = path(next(iter(sub.outputs)))
+        for nodes in inputs.values():  # its readers now read its output layer
             for node in nodes:
-                node[:] = [paths[-1] if source == name else source for source in node]
+                node[:] = [last if s == name else s for s in node]
         if name in outputs:
             outputs.remove(name)
-            outputs.add(paths[-1])
+            outputs.add(last)
+        widths.pop(name, None)
+        calls.pop(name, None)
         inlined.add(id(op))
-    return new_ops, inlined
+    return new_ops, inlined, hidden
+
+
+def _inlinable_graph(op, calls: list[list[str]], top: set[int]) -> _Graph | None:
+    """The graph of `op` if `_inline_models` can put it in place of `op` (called once on one tensor
+    (`calls`: the sources of each call), one output that is not its input, no layer shared with
+    the graph around it whose op ids are `top`); else None."""
+    if not (isinstance(op, keras.Model) and op.built and len(calls) == 1 and len(calls[0]) == 1
+            and isinstance(op.output, keras.KerasTensor)
+            and (isinstance(op, keras.Sequential) or len(op.inputs) == 1)
+            and not any(id(layer) in top for layer in walk_layers(op))):
+        return None
+    try:
+        sub = _graph(op)
+    except TypeError:  # a subclassed model: no graph to follow
+        return None
+    (last,) = sub.outputs if len(sub.outputs) == 1 else (None,)
+    if last is None or last == _MODEL_INPUT or isinstance(sub.ops.get(last),
+                                                           keras.layers.InputLayer):
+        return None
+    return sub
 
 
 def _describe(op) -> str:
@@ -1000,19 +1035,20 @@ def permute(
     every per-channel weight in between, each at its offset. A layer with no rule here whose weights
     are all `[C]` vectors (ConvNeXt's LayerScale, a user's `x * gamma`) is tried: a copy of it is
     run on random inputs with and without its channels reordered, and it is followed if it acts
-    channel by channel. A nested Sequential model called once is followed through as the chain of
-    its layers (reported as 'outer/inner'). The copy of the model (made as `tf_sparse24.prune` makes
-    its copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
+    channel by channel. A nested model (Sequential or Functional: a keras.applications base model in
+    a transfer-learning model) called once on one tensor is followed through as its own graph (its
+    layers reported as 'outer/inner'). The copy of the model (made as `tf_sparse24.prune` makes its
+    copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
     more. Run it on the trained dense model, before `tf_sparse24.prune`. The caller's model is not
     changed.
 
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
-    shared layer (called twice, or also inside a nested model), a nested Functional model, a layer
-    with several outputs, a keras op that is not elementwise (`x[:, :16]`, `keras.ops.flip`) or has
-    a per-channel constant (`x + np.arange(16)`), any other layer not found to commute with a
-    channel permutation; quantized or LoRA-enabled layers; channel counts that are not a multiple of
-    4 or above `max_channels`, and slices of a concatenation that start at an input channel that is
-    not a multiple of 4.
+    shared layer (called twice, or also inside a nested model), a nested model with several inputs
+    or outputs, a layer with several outputs, a keras op that is not elementwise (`x[:, :16]`,
+    `keras.ops.flip`) or has a per-channel constant (`x + np.arange(16)`), any other layer not found
+    to commute with a channel permutation; quantized or LoRA-enabled layers; channel counts that are
+    not a multiple of 4 or above `max_channels`, and slices of a concatenation that start at an
+    input channel that is not a multiple of 4.
 
     Args:
         model: a built Functional or Sequential keras.Model.
@@ -1046,8 +1082,9 @@ def permute(
     names = {*graph.ops, *(path.rsplit("/", 1)[-1] for path in graph.ops)}
     if inner := [s for s in selectors if isinstance(s, str) and s not in names]:
         raise ValueError(
-            f"layers: {inner} sit inside a nested model or layer of model {model.name!r}; "
-            "permute() reorders the channels of its top-level graph only."
+            f"layers: {inner} sit inside a nested model or layer of model {model.name!r} that "
+            "permute() does not follow (a layer, or a nested model that is shared or has several "
+            "inputs or outputs)."
         )
     _check_untied(model, "permute")
     plans, reports = _plan(graph, selectors, max_channels)
