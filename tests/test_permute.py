@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 
+from tf_sparse24 import prune
 from tf_sparse24.permute import (
     _native_top2_group_sums,
     _partitions,
@@ -822,6 +823,99 @@ def test_permute_runs_through_a_nested_functional_base_model():
                                          "combines several inputs other than channel by channel")
     assert not np.array_equal(permuted.get_layer("base").get_layer("bn").gamma.numpy(),
                               model.get_layer("base").get_layer("bn").gamma.numpy())
+    only = permute(model, layers="base/c2", kicks=1, progress=False)[1]  # a name from a report
+    assert [(r.consumers, r.permuted) for r in only] == [(("base/c2",), True)]
+
+
+@keras.saving.register_keras_serializable(package="test_permute")
+def _group_sort(x):
+    """GroupSort (1-Lipschitz nets): sorts each pair of channels, so it mixes channels."""
+    pairs = keras.ops.reshape(x, (-1, x.shape[-1] // 2, 2))
+    return keras.ops.reshape(keras.ops.sort(pairs, axis=-1), keras.ops.shape(x))
+
+
+class _SumAll(keras.layers.Layer):
+    def call(self, xs):
+        return sum(xs[1:], xs[0])
+
+
+def test_permute_stops_where_channels_are_not_followed_one_to_one():
+    # Each of these changed the function before: a custom activation (on a producer and in an
+    # Activation layer), a constant among a concatenation's inputs, a constant in a layer's
+    # list argument, and a layer inside two nested models (under two graph names).
+    layers, ops = keras.layers, keras.ops
+    shared = layers.Dense(8, name="shared")
+    s1 = keras.Sequential([keras.Input((8,)), layers.Dense(8, name="s1_d"), shared], name="s1")
+    s2 = keras.Sequential([keras.Input((8,)), layers.Dense(8, name="s2_d"), shared], name="s2")
+    inputs = keras.Input((4, 4, 3))
+    x = layers.Conv2D(8, 1, activation=_group_sort, name="sorted")(
+        layers.Conv2D(8, 1, name="c0")(inputs))
+    x = layers.Activation(_group_sort, name="act")(layers.Conv2D(8, 1, name="ca")(x))
+    coords = np.random.default_rng(0).normal(size=(1, 4, 4, 4)).astype("float32")
+    x = ops.concatenate([np.repeat(coords, 3, 0), layers.Conv2D(8, 1, name="cb")(x)], axis=-1)
+    x = layers.GlobalAveragePooling2D()(layers.Conv2D(8, 1, name="cc")(x))
+    x = layers.Dense(8, name="d0")(_SumAll(name="sum_all")([x, np.arange(8, dtype="float32")]))
+    x = s2(layers.Dense(8, name="d1")(s1(layers.Dense(8, name="d2")(x))))
+    model = keras.Model(inputs, layers.Dense(4, name="head")(x))
+    _randomize(model, seed=38)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 4, 4, 3, seed=39))
+    reasons = {c: r.reason for r in reports if not r.permuted for c in r.consumers}
+    custom = "is not known to act channel by channel (a custom function)"
+    assert reasons["ca"] == f"the activation of 'sorted' (Conv2D) {custom}"
+    assert reasons["cb"] == f"the activation of 'act' (Activation) {custom}"
+    assert re.fullmatch(r"its input channels come from 'concatenate(_\d+)?' \(keras op "
+                        r"Concatenate\), which cannot be permuted", reasons["cc"])
+    assert reasons["d0"] == "its input channels come from 'sum_all' (_SumAll), which cannot be permuted"
+    assert reasons["d1"] == (
+        "its input channels come from 's1/shared' (Dense), which is shared (also used inside a "
+        "nested model)")
+    assert reasons["head"].startswith("its input channels come from 's2/shared' (Dense)")
+    assert {c for r in reports if r.permuted for c in r.consumers} == {
+        "sorted", "d2", "s1/s1_d", "s2/s2_d"}
+
+
+def test_permute_refuses_a_layer_whose_config_hands_over_its_own_variables():
+    class Scale(keras.layers.Layer):
+        def build(self, shape):
+            self.g = self.add_weight(shape=(shape[-1],), name="g")
+
+        def call(self, x):
+            return x * keras.ops.flip(self.g, 0)
+
+    class Holder(keras.layers.Layer):  # get_config returns the layer object, not its config
+        def __init__(self, inner, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = inner
+
+        def get_config(self):
+            return {**super().get_config(), "inner": self.inner}
+
+        def call(self, x):
+            return self.inner(x)
+
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="d1")(keras.layers.Dense(8, name="d0")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4)(Holder(Scale(), name="holder")(x)))
+    _randomize(model, seed=40)
+    before = [w.copy() for w in model.get_weights()]
+    for call in (lambda: permute(model, kicks=1, progress=False), lambda: prune(model)):
+        with pytest.raises(TypeError, match=r"'holder' \(Holder\): the copy made from its "
+                                            r"get_config\(\) holds the layer's own variables"):
+            call()
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_permute_model_without_a_config_is_a_type_error_naming_it():
+    inputs = keras.Input((8,))
+    x = keras.ops.clip(keras.layers.Dense(8)(inputs), np.zeros(8), np.ones(8))  # arrays: no config
+    model = keras.Model(inputs, keras.layers.Dense(4)(x), name="clipped")
+    with pytest.raises(TypeError, match=r"graph of model 'clipped' from its config, and "
+                                        r"get_config\(\) failed"):
+        permute(model, kicks=1, progress=False)
 
 
 def test_permute_stops_at_a_layer_with_several_outputs():

@@ -26,6 +26,7 @@ orientation.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import functools
@@ -534,9 +535,14 @@ def _graph(model: keras.Model) -> _Graph:
         calls = {}
         outputs = set(names[-1:])
     elif _is_functional(model):
-        config = model.get_config()
-        if "layers" not in config:  # a subclass with its own config (keras_hub): same graph
-            config = keras.Model(model.input, model.output, name=model.name).get_config()
+        try:
+            config = model.get_config()
+            if "layers" not in config:  # a subclass with its own config (keras_hub): same graph
+                config = keras.Model(model.input, model.output, name=model.name).get_config()
+        except Exception as error:  # Keras raises several kinds here
+            raise TypeError(
+                f"permute() reads the graph of model {model.name!r} from its config, and "
+                f"get_config() failed: {type(error).__name__}: {error}") from error
         ops = {op.name: op for op in model.operations}
         tensors = {spec["name"]: [_tensor_specs(node) for node in spec.get("inbound_nodes", [])]
                    for spec in config["layers"]}
@@ -553,6 +559,9 @@ def _graph(model: keras.Model) -> _Graph:
             f"Received: {type(model).__name__}"
         )
     ops, inlined, hidden = _inline_models(ops, inputs, widths, calls, outputs)
+    # A layer inside two inlined models appears under two names: shared, as a layer called twice.
+    repeated = {i for i, n in collections.Counter(map(id, ops.values())).items() if n > 1}
+    hidden |= {name for name, op in ops.items() if id(op) in repeated}
     consumers: dict[str, list[str]] = {name: [] for name in inputs}
     for name, nodes in inputs.items():
         for node in nodes:
@@ -629,10 +638,11 @@ def _inlinable_graph(op, calls: list[list[str]], top: set[int]) -> _Graph | None
     return sub
 
 
-def _describe(op) -> str:
-    """`'name' (Class)`, or `'name' (keras op Class)` for an operation that is not a layer."""
+def _describe(name: str, op) -> str:
+    """`'name' (Class)`, or `'name' (keras op Class)` for an operation that is not a layer; `name`
+    is the graph's ('outer/inner' inside an inlined model)."""
     kind = type(op).__name__
-    return f"{op.name!r} ({kind if isinstance(op, keras.layers.Layer) else 'keras op ' + kind})"
+    return f"{name!r} ({kind if isinstance(op, keras.layers.Layer) else 'keras op ' + kind})"
 
 
 def _shared(graph: _Graph, name: str) -> str:
@@ -699,6 +709,21 @@ def _passes(layer) -> bool:
     if kind == "Reshape":  # keeps every channel's index when the last axis is left alone
         return layer.input.shape[-1] is not None and layer.input.shape[-1] == layer.output.shape[-1]
     return kind in _PASS_THROUGH
+
+
+def _activation_commutes(layer) -> bool:
+    """Whether `layer`'s `activation` (a producer's, an Activation layer's, a depthwise conv's)
+    acts channel by channel: a Keras built-in other than glu (which halves the channels); a custom
+    function might mix channels (GroupSort)."""
+    activation = getattr(layer, "activation", None)
+    if activation is None:
+        return True
+    try:
+        name = keras.activations.serialize(activation)
+    except Exception:  # noqa: BLE001 - not serializable: not a built-in
+        return False
+    return (isinstance(name, str) and name != "glu"
+            and getattr(keras.activations, name, None) is activation)
 
 
 def _same_for_every_channel(value) -> bool:
@@ -776,7 +801,7 @@ def _commutes_when_run(graph: _Graph, name: str) -> bool:
     shapes = [t["shape"] for t in _tensor_specs(call)] if call else [layer.input.shape]
     packed = len(args) == 1 and isinstance(args[0], (list, tuple))  # layer([a, b])
     if not all(map(_same_for_every_channel, kwargs.values())) or (
-            call and len(args) != (1 if packed else len(shapes))):
+            call and len(args[0] if packed else args) != len(shapes)):  # a constant among them
         return False
     rng = np.random.default_rng(0)
     inputs = [rng.normal(size=[2 if d is None else d for d in shape]).astype("float32")
@@ -795,6 +820,8 @@ def _commutes_when_run(graph: _Graph, name: str) -> bool:
         identity = np.arange(channels)
         if weights:  # built by a first call, so that its weights can be set
             copy(inputs, **kwargs) if packed else copy(*inputs, **kwargs)
+        if {id(v) for v in copy.weights} & {id(v) for v in layer.weights}:
+            return False  # its config hands over the layer's own state: trying would change it
         expected = run(copy, identity)
         scale = max(1.0, float(np.abs(expected).max()))
         perms = (np.r_[1, 0, 2:channels], np.roll(identity, 1), rng.permutation(channels))
@@ -821,18 +848,21 @@ def _segments(graph: _Graph, name: str) -> list[int]:
     widths = graph.widths.get(name, [])
     if op.axis not in (-1, len(op.output.shape) - 1) or not widths or None in widths:
         return []
-    return list(itertools.accumulate(widths, initial=0))
+    starts = list(itertools.accumulate(widths, initial=0))
+    # A constant among the inputs (`ops.concatenate([coords, x])`) has channels too.
+    return starts if starts[-1] == _output_channels(op) else []
 
 
-def _frozen(layer: keras.Operation) -> str:
+def _frozen(name: str, layer: keras.Operation) -> str:
     """Why `layer`'s weights cannot be permuted as plain arrays ('' when they can)."""
     if not isinstance(layer, keras.layers.Layer):  # a keras op: no weights
         return ""
     if quantized_layers(layer):
-        return (f"{_describe(layer)} is quantized ({layer.quantization_mode}): permute the float "
-                "model, then quantize")
+        return (f"{_describe(name, layer)} is quantized ({layer.quantization_mode}): permute the "
+                "float model, then quantize")
     if lora_layers(layer, layer.weights):
-        return f"LoRA is enabled on {_describe(layer)} (its kernel is kernel + lora_a @ lora_b)"
+        return (f"LoRA is enabled on {_describe(name, layer)} (its kernel is kernel + lora_a @ "
+                "lora_b)")
     return ""
 
 
@@ -873,7 +903,7 @@ def _space(graph: _Graph, seed: str) -> _Space:
             carriers[name] = offset
             queue.append(name)
         elif carriers[name] != offset:
-            reasons.append(f"channels reach {_describe(graph.ops[name])} at two offsets")
+            reasons.append(f"channels reach {_describe(name, graph.ops[name])} at two offsets")
 
     for name in queue:  # grows while iterating
         offset, op = carriers[name], graph.ops.get(name)
@@ -881,14 +911,14 @@ def _space(graph: _Graph, seed: str) -> _Space:
             reasons.append("its input channels come from the model input")
             continue
         if why := _shared(graph, name):
-            reasons.append(f"its input channels come from {_describe(op)}, which {why}")
+            reasons.append(f"its input channels come from {_describe(name, op)}, which {why}")
             continue
         if not isinstance(op.output, keras.KerasTensor):
-            reasons.append(f"its input channels come from {_describe(op)}, which has several "
+            reasons.append(f"its input channels come from {_describe(name, op)}, which has several "
                            "outputs")
             continue
         if not channels and _output_channels(op) is None:
-            reasons.append(f"{_describe(op)} has an unknown number of channels")
+            reasons.append(f"{_describe(name, op)} has an unknown number of channels")
             continue
         channels = channels or int(_output_channels(op))
         if offset == 0 and _output_channels(op) == channels:
@@ -904,43 +934,47 @@ def _space(graph: _Graph, seed: str) -> _Space:
             inside = [i for i in range(len(starts) - 1)
                       if starts[i] <= offset and offset + channels <= starts[i + 1]]
             if not inside:
-                reasons.append(f"channels straddle two inputs of {_describe(op)}")
+                reasons.append(f"channels straddle two inputs of {_describe(name, op)}")
                 continue
             carry(graph.inputs[name][0][inside[0]], offset - starts[inside[0]])
         else:
             reasons.append(
-                f"its input channels come from {_describe(op)}, which cannot be permuted")
+                f"its input channels come from {_describe(name, op)}, which cannot be permuted")
             continue
         if name in graph.outputs:
             reasons.append(f"{name!r} is a model output")
         for user in graph.consumers.get(name, []):
             op = graph.ops[user]
             if why := _shared(graph, user):
-                reasons.append(f"channels reach {_describe(op)}, which {why}")
+                reasons.append(f"channels reach {_describe(user, op)}, which {why}")
             elif _input_kernel(op) is not None:
                 if offset % 4:  # its groups of 4 would mix these channels with others
-                    reasons.append(f"channels reach {_describe(op)} at input channel {offset}, "
+                    reasons.append(f"channels reach {_describe(user, op)} at input channel {offset}, "
                                    "not a multiple of 4")
                 consumers[user] = offset
             elif carrying := _carrying(graph, user):
                 if name in (graph.inputs[user][0][i] for i in carrying):
                     carry(user, offset)
                 else:
-                    reasons.append(f"channels reach {_describe(op)}, which broadcasts them")
+                    reasons.append(f"channels reach {_describe(user, op)}, which broadcasts them")
             elif starts := _segments(graph, user):
                 at = [i for i, source in enumerate(graph.inputs[user][0]) if source == name]
                 if len(at) > 1:
-                    reasons.append(f"channels reach {_describe(op)} {len(at)} times")
+                    reasons.append(f"channels reach {_describe(user, op)} {len(at)} times")
                 carry(user, starts[at[0]] + offset)
             else:
-                reasons.append(f"channels reach {_describe(op)}, which cannot be permuted")
+                reasons.append(f"channels reach {_describe(user, op)}, which cannot be permuted")
     order = {name: i for i, name in enumerate(graph.ops)}
     producers, through, consumers = (dict(sorted(group.items(), key=lambda item: order[item[0]]))
                                      for group in (producers, through, consumers))
     if not reasons and not producers:
         reasons.append("no Dense/Conv layer produces these channels")
     if not reasons:
-        reasons += filter(None, (_frozen(graph.ops[n]) for n in [*producers, *through, *consumers]))
+        reasons += [f"the activation of {_describe(n, graph.ops[n])} is not known to act "
+                    "channel by channel (a custom function)"
+                    for n in [*producers, *through] if not _activation_commutes(graph.ops[n])]
+        reasons += filter(None, (_frozen(n, graph.ops[n]) for n in [*producers, *through,
+                                                                     *consumers]))
     return _Space(producers, through, consumers, channels, whole, reasons[0] if reasons else "")
 
 
@@ -986,7 +1020,7 @@ def _plan(
         if _input_kernel(op) is None or (selectors and not _matches(op, selectors)):
             continue
         if why := _shared(graph, name):
-            reports.append(PermutationReport(None, (name,), 0, False, f"{_describe(op)} {why}"))
+            reports.append(PermutationReport(None, (name,), 0, False, f"{_describe(name, op)} {why}"))
             continue
         for root in _roots(graph, graph.inputs[name][0][0]):
             if root in seen:
@@ -1078,6 +1112,11 @@ def permute(
     """
     _check_model(model, "permute")
     graph = _graph(model)
+    if isinstance(layers, (str, type, keras.layers.Layer)):
+        layers = [layers]
+    # Names from a report ('outer/inner', inside an inlined model) select that layer.
+    layers = [(_layer_at(model, s) or s) if isinstance(s, str) and "/" in s else s
+              for s in layers or []]
     selectors = _check_selectors(model, layers, "layers")
     names = {*graph.ops, *(path.rsplit("/", 1)[-1] for path in graph.ops)}
     if inner := [s for s in selectors if isinstance(s, str) and s not in names]:

@@ -244,6 +244,14 @@ def _copy_layer(layer):
     if isinstance(layer, keras.layers.Layer) and layer.built:
         if layer.weights and not new.built:  # some layers build in __init__ (keras_hub decoders)
             new.build_from_config(layer.get_build_config())
+        if shared := {id(v) for v in new.weights} & {id(v) for v in layer.weights}:
+            names = [v.path for v in layer.weights if id(v) in shared]
+            raise TypeError(
+                f"Cannot copy layer {layer.name!r} ({type(layer).__name__}): the copy made from "
+                f"its get_config() holds the layer's own variables {names}, so training the copy "
+                "would change the original. Its get_config() returns layer objects instead of "
+                "their configs: serialize them (keras.saving.serialize_keras_object) and rebuild "
+                "them in from_config().")
         _copy_state(layer, new)
     return new
 
