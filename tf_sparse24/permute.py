@@ -1078,7 +1078,8 @@ def permute(
 
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
     shared layer (called twice, or also inside a nested model), a nested model with several inputs
-    or outputs, a layer with several outputs, a keras op that is not elementwise (`x[:, :16]`,
+    or outputs, a layer with several outputs, a custom activation function (on a producer or an
+    Activation layer: it might mix channels), a keras op that is not elementwise (`x[:, :16]`,
     `keras.ops.flip`) or has a per-channel constant (`x + np.arange(16)`), any other layer not found
     to commute with a channel permutation; quantized or LoRA-enabled layers; channel counts that are
     not a multiple of 4 or above `max_channels`, and slices of a concatenation that start at an
