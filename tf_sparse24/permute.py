@@ -46,6 +46,7 @@ from tf_sparse24.prune import (
     _copy_layer,
     _is_functional,
     _matches,
+    _selector_list,
     clone_graph,
     walk_layers,
 )
@@ -1113,11 +1114,9 @@ def permute(
     """
     _check_model(model, "permute")
     graph = _graph(model)
-    if isinstance(layers, (str, type, keras.layers.Layer)):
-        layers = [layers]
     # Names from a report ('outer/inner', inside an inlined model) select that layer.
     layers = [(_layer_at(model, s) or s) if isinstance(s, str) and "/" in s else s
-              for s in layers or []]
+              for s in _selector_list(layers)]
     selectors = _check_selectors(model, layers, "layers")
     names = {*graph.ops, *(path.rsplit("/", 1)[-1] for path in graph.ops)}
     if inner := [s for s in selectors if isinstance(s, str) and s not in names]:

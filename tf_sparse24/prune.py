@@ -119,10 +119,15 @@ def _matches(layer, selectors) -> bool:
     )
 
 
-def _check_selectors(model, selectors, arg: str) -> list:
+def _selector_list(selectors) -> list:
+    """`layers=`/`skip=` as a list: one name, class or layer object, or a sequence of them."""
     if isinstance(selectors, (str, type, keras.layers.Layer)):  # one selector, not a sequence
-        selectors = [selectors]
-    selectors = list(selectors or [])
+        return [selectors]
+    return list(selectors or [])
+
+
+def _check_selectors(model, selectors, arg: str) -> list:
+    selectors = _selector_list(selectors)
     names = {layer.name for layer in walk_layers(model)} | {
         layer.name for w in pruned_layers(model) for layer in [w.layer, *walk_layers(w.layer)]
     }
