@@ -267,6 +267,22 @@ double element_bound(DType t, int64_t K, double ref, double magnitude) {
   return 2 * u * std::fabs(ref) + (u / 8 + 16 * std::sqrt(static_cast<double>(K)) * 0x1p-24) * magnitude;
 }
 
+// Row m of x @ W in float64 (IEEE: Inf * 0 = NaN, as in a dense matmul) into acc[n], and
+// sum_k |x[m, k] w[k, n]| into mag[n] (the scale of the rounding bound).
+void reference_row(const Problem& p, const std::vector<uint8_t>& hx, const std::vector<uint8_t>& hw,
+                   int64_t m, std::vector<double>* acc, std::vector<double>* mag) {
+  acc->assign(p.N, 0.0);
+  mag->assign(p.N, 0.0);
+  for (int64_t k = 0; k < p.K; ++k) {
+    const double xv = to_double(p.t, hx.data(), m * p.K + k);
+    for (int64_t n = 0; n < p.N; ++n) {
+      const double term = xv * to_double(p.t, hw.data(), k * p.N + n);
+      (*acc)[n] += term;
+      (*mag)[n] += std::fabs(term);
+    }
+  }
+}
+
 struct Check { double rel_err; int64_t bad_outputs; int64_t outliers; };
 Check check_product(const Problem& p, const Buf& y, int64_t m, int rows) {
   const std::vector<uint8_t> hw = p.w.host(), hx = p.x.host(), hy = y.host();
@@ -281,15 +297,8 @@ Check check_product(const Problem& p, const Buf& y, int64_t m, int rows) {
   for (size_t j = 0; j < picks.size(); ++j) {
     pool.emplace_back([&, j] {
       const int64_t m = picks[j];
-      std::vector<double> acc(p.N, 0.0), mag(p.N, 0.0);
-      for (int64_t k = 0; k < p.K; ++k) {
-        const double xv = to_double(p.t, hx.data(), m * p.K + k);
-        for (int64_t n = 0; n < p.N; ++n) {
-          const double term = xv * to_double(p.t, hw.data(), k * p.N + n);
-          acc[n] += term;
-          mag[n] += std::fabs(term);
-        }
-      }
+      std::vector<double> acc, mag;
+      reference_row(p, hx, hw, m, &acc, &mag);
       for (int64_t n = 0; n < p.N; ++n) {
         const double d = to_double(p.t, hy.data(), m * p.N + n) - acc[n];
         num[j] += d * d;
@@ -805,16 +814,9 @@ void check_nonfinite(DType t, int64_t M, int64_t K, int64_t N, cudaStream_t stre
   const std::vector<uint8_t> hw = p.w.host(), hx = p.x.host(), hy = y.host();
   auto kind = [](double v) { return std::isnan(v) ? 'N' : std::isinf(v) ? (v > 0 ? '+' : '-') : 'f'; };
   int64_t nans = 0, infs = 0, misclassified = 0, outliers = 0, bad_m = -1, bad_n = -1;
+  std::vector<double> acc, mag;
   for (int64_t m = 0; m < M; ++m) {
-    std::vector<double> acc(N, 0.0), mag(N, 0.0);
-    for (int64_t k = 0; k < K; ++k) {
-      const double xv = to_double(t, hx.data(), m * K + k);
-      for (int64_t n = 0; n < N; ++n) {
-        const double term = xv * to_double(t, hw.data(), k * N + n);  // IEEE: Inf * 0 = NaN
-        acc[n] += term;
-        mag[n] += std::fabs(term);
-      }
-    }
+    reference_row(p, hx, hw, m, &acc, &mag);
     for (int64_t n = 0; n < N; ++n) {
       const double got = to_double(t, hy.data(), m * N + n);
       nans += std::isnan(acc[n]);
