@@ -164,12 +164,18 @@ __global__ void spmm_simple_kernel(const typename E::T* __restrict__ x,
   }
 }
 
-// Whether one of the elements packed in an 8-byte word of x is NaN/Inf (all-ones exponent).
+// Whether an element is NaN/Inf: its exponent bits kExp all ones.
+template <typename Bits, Bits kExp>
+__device__ __forceinline__ bool nonfinite(Bits b) {
+  return (b & kExp) == kExp;
+}
+
+// Whether one of the elements packed in an 8-byte word of x is NaN/Inf.
 template <typename Bits, Bits kExp>
 __device__ __forceinline__ bool any_nonfinite(uint64_t word) {
   bool any = false;
   for (int i = 0; i < 8 / static_cast<int>(sizeof(Bits)); ++i) {
-    any |= (static_cast<Bits>(word >> (8 * sizeof(Bits) * i)) & kExp) == kExp;
+    any |= nonfinite<Bits, kExp>(static_cast<Bits>(word >> (8 * sizeof(Bits) * i)));
   }
   return any;
 }
@@ -191,7 +197,7 @@ __global__ void nonfinite_kernel(const Bits* __restrict__ x, const Bits* __restr
       found |= any_nonfinite<Bits, kExp>(reinterpret_cast<const uint64_t*>(xr)[i]);
     }
     for (int64_t k = words * kPerWord + threadIdx.x; k < K; k += blockDim.x) {
-      found |= (xr[k] & kExp) == kExp;
+      found |= nonfinite<Bits, kExp>(xr[k]);
     }
     if (!__syncthreads_or(found)) continue;  // the block's common answer: no thread diverges
     for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
@@ -201,7 +207,7 @@ __global__ void nonfinite_kernel(const Bits* __restrict__ x, const Bits* __restr
       for (int64_t g = 0; g < groups && !meets_zero; ++g) {
         const int nib = (mr[g / 2] >> (4 * (g % 2))) & 0xF;
         for (int r = 0; r < 4; ++r) {
-          if ((xr[4 * g + r] & kExp) != kExp) continue;
+          if (!nonfinite<Bits, kExp>(xr[4 * g + r])) continue;
           const Bits w = r == (nib & 3) ? vr[2 * g] : (r == (nib >> 2) ? vr[2 * g + 1] : Bits(0));
           meets_zero |= !nonzero(w);
         }
