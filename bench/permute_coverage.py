@@ -25,18 +25,13 @@ import numpy as np
 CONSUMERS = ("Dense", "Conv1D", "Conv2D", "Conv3D", "SeparableConv1D", "SeparableConv2D")
 
 
-def all_layers(model: keras.Model) -> list[keras.layers.Layer]:
-    """The model's layers, those of nested models included (ConvNeXt nests Sequential blocks)."""
-    return [sub for layer in model.layers
-            for sub in (all_layers(layer) if isinstance(layer, keras.Model) else [layer])]
-
-
-def randomize_vectors(model: keras.Model, rng: np.random.Generator) -> None:
+def randomize_vectors(layers: list, rng: np.random.Generator) -> None:
     """Every 1-D weight random, so that one misaligned channel shows in the output: scales (gamma,
     moving variance) in [0.5, 1.5), the rest (biases, beta, moving mean, LayerScale) ~ N(0, 0.3).
-    Not Normalization's input statistics (preprocessing state, cached when the layer is built)."""
-    for layer in all_layers(model):
-        if isinstance(layer, keras.layers.Normalization):
+    Not Normalization's input statistics (preprocessing state, cached when the layer is built),
+    nor a nested model's weights as a whole (its layers are in `layers` themselves)."""
+    for layer in layers:
+        if isinstance(layer, (keras.Model, keras.layers.Normalization)):
             continue
         for w in layer.weights:
             if w.ndim == 1:
@@ -56,6 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     keras.config.set_floatx("float64")
     import tf_sparse24
+    from tf_sparse24.prune import walk_layers
 
     print("| model | spaces permuted / skipped | Dense/Conv/SeparableConv layers read a permuted space | "
           "permute s | max abs output diff (output scale) |")
@@ -74,13 +70,14 @@ def main() -> None:
             name = f"{name} as a base model"
         else:
             model = getattr(keras.applications, name)(weights=None, input_shape=shape, classes=10)
-        randomize_vectors(model, rng)
+        layers = walk_layers(model)  # nested models' layers too (ConvNeXt nests Sequentials)
+        randomize_vectors(layers, rng)
         x = rng.normal(size=(2, args.size, args.size, 3))
         start = time.perf_counter()
         permuted, reports = tf_sparse24.permute(model, seed=args.seed, progress=False)
         seconds = time.perf_counter() - start
         kernels = sum(type(layer).__name__ in CONSUMERS and getattr(layer, "groups", 1) == 1
-                      for layer in all_layers(model))  # permute leaves grouped convs alone
+                      for layer in layers)  # permute leaves grouped convs alone
         done = [r for r in reports if r.permuted]
         before = np.asarray(model(x, training=False))
         diff = np.abs(np.asarray(permuted(x, training=False)) - before).max()
