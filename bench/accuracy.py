@@ -86,16 +86,25 @@ def _fit(model, x, y, spec, epochs, callbacks=()) -> float:
     return (time.perf_counter() - start) / epochs
 
 
+def train_dense(spec: dict, seed: int, keras) -> tuple:
+    """Seeds, loads the task's data, builds and trains its dense model.
+
+    Returns `(model, (x_train, x_test, y_train, y_test), seconds per epoch)`.
+    """
+    keras.utils.set_random_seed(seed)
+    data = spec["load"](seed)
+    dense = spec["build"](keras)
+    compile_model(dense, spec["lr"], keras)
+    return dense, data, _fit(dense, data[0], data[2], spec, spec["epochs"])
+
+
 def run_ours(task: str, seed: int, spec: dict, weights_path: str) -> dict:
     import keras
 
     import tf_sparse24
 
-    keras.utils.set_random_seed(seed)
-    x_train, x_test, y_train, y_test = spec["load"](seed)
-    dense = spec["build"](keras)
-    compile_model(dense, spec["lr"], keras)
-    out = {"sec/epoch dense": _fit(dense, x_train, y_train, spec, spec["epochs"])}
+    dense, (x_train, x_test, y_train, y_test), seconds = train_dense(spec, seed, keras)
+    out = {"sec/epoch dense": seconds}
     out["dense"] = accuracy(dense, x_test, y_test)
     np.savez(weights_path, *dense.get_weights())
     pruned_names = None

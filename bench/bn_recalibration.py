@@ -17,10 +17,10 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accuracy import ROOT, build_mnist_resnet, task_spec
+from accuracy import ROOT, task_spec, train_dense
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-from workflow import accuracy, compile_model  # examples/workflow.py
+from workflow import accuracy  # examples/workflow.py
 
 COLUMNS = ["dense", "one-shot", "one-shot + BN recal", "perm one-shot", "perm one-shot + BN recal"]
 
@@ -37,11 +37,7 @@ def main() -> None:
     spec = task_spec("mnist_resnet", quick=False)
     rows = []
     for seed in range(args.seeds):
-        keras.utils.set_random_seed(seed)
-        x_train, x_test, y_train, y_test = spec["load"](seed)
-        dense = build_mnist_resnet(keras)
-        compile_model(dense, spec["lr"], keras)
-        dense.fit(x_train, y_train, batch_size=spec["batch"], epochs=spec["epochs"], verbose=0)
+        dense, (x_train, x_test, _, y_test), _ = train_dense(spec, seed, keras)
         row = {"dense": accuracy(dense, x_test, y_test)}
         permuted, _ = tf_sparse24.permute(dense, seed=seed, progress=False)
         for prefix, source in (("", dense), ("perm ", permuted)):
