@@ -975,7 +975,8 @@ def test_permute_copies_an_adapted_lookup():
     permuted, reports = permute(model, kicks=1, progress=False)
 
     _assert_same_function(model, permuted, x)
-    assert [r.consumers for r in reports if r.permuted] == [("d1",)]
+    assert [(r.producers, r.consumers) for r in reports if r.permuted] == [
+        (("embedding",), ("d0",)), (("d0",), ("d1",))]  # the embedding table's columns too
 
 
 def test_permute_skips_a_layer_shared_with_a_nested_model():
@@ -1032,3 +1033,104 @@ def test_permute_layers_inside_a_nested_model_are_an_error_not_a_silent_no_op():
     model = keras.Model(inp, keras.layers.Dense(4, name="out")(inner(inner(inp))))  # shared
     with pytest.raises(ValueError, match=r"\['inner_b'\] sit inside a nested model"):
         permute(model, layers="inner_b", kicks=1, progress=False)
+
+
+class _PositionTable(keras.layers.Layer):
+    """x + a learned [length, C] table (keras_hub's PositionEmbedding, added in)."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=tuple(shape[1:]), initializer="random_normal")
+
+    def call(self, x):
+        return x + self.table
+
+
+class _SineTable(keras.layers.Layer):
+    """x + a fixed sinusoid [length, C] (SinePositionEncoding, added in): no weights, but the
+    channels are not treated alike."""
+
+    def call(self, x):
+        length, channels = x.shape[1], x.shape[2]
+        angles = np.arange(length)[:, None] / 10.0 ** (np.arange(channels)[None] / channels)
+        return x + np.sin(angles).astype("float32")
+
+
+def _transformer_block(x, context, name):
+    """Self-attention (value also the key), cross-attention on `context`, an EinsumDense FFN with
+    unusual kernel layouts; residual adds as keras ops and as an Add layer; LayerNorms."""
+    attended = keras.layers.MultiHeadAttention(2, 8, name=f"{name}_self")(x, x)
+    x = keras.layers.LayerNormalization(name=f"{name}_ln1")(x + attended)
+    crossed = keras.layers.MultiHeadAttention(2, 4, value_dim=8, name=f"{name}_cross")(
+        query=x, value=context, key=context)
+    x = keras.layers.LayerNormalization(name=f"{name}_ln2")(keras.layers.Add()([x, crossed]))
+    h = keras.layers.EinsumDense("abc,dc->abd", (None, 32), bias_axes="d", activation="gelu",
+                                 name=f"{name}_ffn1")(x)  # kernel [32, 16]: reads axis 1
+    h = keras.layers.EinsumDense("abd,dc->abc", (None, 16), bias_axes="c", name=f"{name}_ffn2")(h)
+    return keras.layers.LayerNormalization(name=f"{name}_ln3")(x + h)
+
+
+def test_permute_follows_a_transformers_residual_stream():
+    # Embedding + learned positions -> blocks of self/cross attention and FFN -> pooled logits:
+    # one residual stream whose producers are the embedding table, both attentions' output
+    # projections and the FFN's second layer, read by the attention projections, the FFN and
+    # the classifier; the context stream (read as cross-attention value and key) is another.
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    context = keras.Input((5, 12), name="context")
+    x = _PositionTable(name="pos")(keras.layers.Embedding(50, 16, name="embed")(tokens))
+    memory = keras.layers.Dense(16, name="memory")(context)
+    x = _transformer_block(x, memory, "b0")
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    model = keras.Model([tokens, context], keras.layers.Dense(4, name="logits")(x))
+    _randomize(model, seed=41)
+    data = [np.random.default_rng(42).integers(0, 50, (8, 6)), _x(8, 5, 12, seed=43)]
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, data)
+    spaces = {r.producers: r for r in reports}
+    stream = spaces[("embed", "b0_self", "b0_cross", "b0_ffn2")]
+    assert stream.permuted and stream.channels == 16 and stream.gain_percent > 0
+    assert stream.consumers == ("b0_self", "b0_cross", "b0_ffn1", "logits")
+    assert spaces[("memory",)].permuted and spaces[("memory",)].consumers == ("b0_cross",)
+    assert spaces[("b0_ffn1",)].permuted and spaces[("b0_ffn1",)].consumers == ("b0_ffn2",)
+    # Every weight on the stream moved: the table, the projections reading and writing it.
+    old, new = model.get_layer("b0_self"), permuted.get_layer("b0_self")
+    for dense in ("query_dense", "key_dense", "value_dense", "output_dense"):
+        assert not np.array_equal(getattr(new, dense).kernel.numpy(),
+                                  getattr(old, dense).kernel.numpy()), dense
+    assert not np.array_equal(permuted.get_layer("pos").table.numpy(),
+                              model.get_layer("pos").table.numpy())
+    cross_old, cross_new = model.get_layer("b0_cross"), permuted.get_layer("b0_cross")
+    for dense in ("key_dense", "value_dense"):  # read the memory space, not the stream
+        assert not np.array_equal(getattr(cross_new, dense).kernel.numpy(),
+                                  getattr(cross_old, dense).kernel.numpy()), dense
+
+
+def test_permute_stops_a_transformer_stream_where_channels_are_not_followed():
+    # A fixed sinusoid added to the embedding treats channels differently (the trial run fails);
+    # a gate read as an attention mask reaches no kernel; a LoRA-enabled embedding table is not a
+    # plain array. Each stops its space; the model still computes the same function.
+    tokens = keras.Input((8,), dtype="int32")
+    x = _SineTable(name="sine")(keras.layers.Embedding(50, 16, name="embed")(tokens))
+    y = keras.layers.Embedding(50, 16, name="lora_embed")(tokens)
+    gate = keras.layers.Dense(8, name="gate")(y)
+    attended = keras.layers.MultiHeadAttention(2, 8, name="mha")(
+        x, x, attention_mask=keras.ops.greater(gate, 0.0))
+    x = keras.layers.Dense(16, name="after_sine")(x)
+    z = keras.layers.Dense(16, name="after_lora")(y)
+    g = keras.layers.Dense(4, name="after_gate")(gate)
+    pooled = [keras.layers.GlobalAveragePooling1D()(t) for t in (x, attended, z, g)]
+    model = keras.Model(tokens, keras.layers.Concatenate()(pooled))
+    _randomize(model, seed=44)
+    model.get_layer("lora_embed").enable_lora(2)
+    model.get_layer("lora_embed").lora_embeddings_b.assign(_x(2, 16, seed=45))
+    data = np.random.default_rng(46).integers(0, 50, (4, 8))
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, data)
+    report_of = {c: r for r in reports for c in r.consumers}
+    assert "'sine' (_SineTable), which cannot be permuted" in report_of["after_sine"].reason
+    assert report_of["after_gate"].reason == (
+        "channels reach 'mha' (MultiHeadAttention) as an input that no kernel of it reads")
+    assert "LoRA is enabled on 'lora_embed' (Embedding)" in report_of["after_lora"].reason

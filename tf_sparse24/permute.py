@@ -30,6 +30,7 @@ import collections
 import ctypes
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import os
@@ -50,7 +51,7 @@ from tf_sparse24.prune import (
     clone_graph,
     walk_layers,
 )
-from tf_sparse24.registry import lora_layers, quantized_layers
+from tf_sparse24.registry import einsum_axis, einsum_parts
 
 _EPS = 1e-6  # gains below this (in summed |w|) are noise: stop searching
 
@@ -429,7 +430,8 @@ _ELEMENTWISE_OPS = {
     "Abs", "Absolute", "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "DivideNoNan",
     "Maximum", "Minimum", "Power", "Negative", "Square", "Sqrt", "Cbrt", "Exp", "Exp2", "Expm1",
     "Log", "Log1p", "Log2", "Log10", "Sign", "Clip", "Tanh", "Sin", "Cos", "Reciprocal", "Floor",
-    "Ceil", "Round", "Trunc", "NanToNum",
+    "Ceil", "Round", "Trunc", "NanToNum", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
+    "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "LogicalXor",
     # keras.ops (nn, math, core)
     "Relu", "Relu6", "Sigmoid", "HardSigmoid", "HardSilu", "Silu", "Gelu", "Elu", "Selu", "Celu",
     "Softplus", "Softsign", "LeakyRelu", "LogSigmoid", "HardTanh", "SoftShrink", "HardShrink",
@@ -649,41 +651,143 @@ def _describe(name: str, op) -> str:
 def _shared(graph: _Graph, name: str) -> str:
     """Why `name`'s channels cannot be followed through it ('' when they can): it is called more
     than once, is also used inside another layer, or combines several inputs other than channel by
-    channel (an elementwise merge or op) or by a concatenation along the channels."""
+    channel (an elementwise merge or op), by a concatenation along the channels or with kernels
+    (MultiHeadAttention)."""
     nodes = graph.inputs.get(name, [])
     if len(nodes) > 1:
         return f"is shared (called {len(nodes)} times)"
     if name in graph.hidden:
         return "is shared (also used inside a nested model)"
     if len(nodes) == 1 and len(nodes[0]) != 1 and not (
-            _carrying(graph, name) or _segments(graph, name)):
+            _reads(graph.ops[name]) or _writes(graph.ops[name]) or _carrying(graph, name)
+            or _segments(graph, name)):
         return "combines several inputs other than channel by channel"
     return ""
 
 
-def _input_kernel(layer):
-    """The kernel whose input-channel axis (-2) reads `layer`'s input, if permute() can reorder it:
-    a Dense/ConvND kernel (channels_last, groups=1) or a SeparableConv's pointwise kernel
-    (depth_multiplier 1; its depthwise filters are reordered with it)."""
+class _Axis(NamedTuple):
+    """A weight axis whose entries follow a channel space's order."""
+
+    variable: keras.Variable
+    axis: int
+
+
+def _einsum_reads(layer) -> _Axis | None:
+    """The kernel axis an EinsumDense contracts with its input's last axis (`abc,cd->abd`: axis
+    0), if its 2:4 groups run along it (`registry.einsum_axis`)."""
+    parts = einsum_parts(layer.equation)
+    if parts is None:
+        return None
+    inputs, kernel, output = parts
+    c = inputs[-1]
+    if c == "." or inputs.count(c) != 1 or kernel.count(c) != 1 or c in output:
+        return None
+    axis = kernel.index(c)
+    return _Axis(layer.kernel, axis) if einsum_axis(layer.equation) == axis else None
+
+
+def _einsum_writes(layer) -> list[_Axis]:
+    """The kernel axis (and bias axis) that an EinsumDense's output's last axis comes from alone
+    (`abc,cd->abd`: kernel axis 1, bias axis 0); [] when there is none."""
+    parts = einsum_parts(layer.equation)
+    if parts is None:
+        return []
+    inputs, kernel, output = parts
+    c = output[-1]
+    if c == "." or output.count(c) != 1 or kernel.count(c) != 1 or c in inputs:
+        return []
+    axes = [_Axis(layer.kernel, kernel.index(c))]
+    if layer.bias is not None and c in (layer.bias_axes or ""):  # bias [..., C]; else [..., 1]
+        axes.append(_Axis(layer.bias, layer.bias.ndim - 1))
+    return axes
+
+
+def _reads(layer) -> dict[str, list[_Axis]]:
+    """How `layer` reads each of its inputs' channels, by call argument: the weight axes that
+    run along them, the first being the kernel whose 2:4 groups run along them (the one searched),
+    the others reordered with it; {} if permute() cannot reorder them.
+
+    Dense/ConvND (channels_last, groups=1): kernel axis -2. SeparableConv (depth_multiplier 1): its
+    pointwise kernel, then its depthwise filters. EinsumDense: the kernel axis contracted with the
+    input's last axis. MultiHeadAttention: that axis of its query, key and value projections.
+    """
     kind = type(layer).__name__
     if (not getattr(layer, "built", False)
             or getattr(layer, "data_format", "channels_last") != "channels_last"):
-        return None
+        return {}
     if kind in _KERNEL_LAYERS and getattr(layer, "groups", 1) == 1:
-        return layer.kernel
+        return {"inputs": [_Axis(layer.kernel, layer.kernel.ndim - 2)]}
     if kind in _SEPARABLE and layer.depth_multiplier == 1:
-        return layer.pointwise_kernel
-    return None
+        kernels = (layer.pointwise_kernel, layer.depthwise_kernel)  # [..., C, out], [..., C, 1]
+        return {"inputs": [_Axis(k, k.ndim - 2) for k in kernels]}
+    if kind == "EinsumDense":
+        axis = _einsum_reads(layer)
+        return {"inputs": [axis]} if axis else {}
+    if kind == "MultiHeadAttention":
+        axes = {role: _einsum_reads(getattr(layer, f"{role}_dense"))
+                for role in ("query", "key", "value")}
+        return {role: [axis] for role, axis in axes.items()} if all(axes.values()) else {}
+    return {}
 
 
-def _output_kernel(layer):
-    """The kernel whose last axis is `layer`'s output channels, if permute() can reorder them."""
-    if type(layer).__name__ in _KERNEL_LAYERS:
-        return _input_kernel(layer)
-    if (type(layer).__name__ in _SEPARABLE and layer.built
-            and layer.data_format == "channels_last"):
-        return layer.pointwise_kernel
-    return None
+def _writes(layer) -> list[_Axis]:
+    """The weight axes that `layer`'s output channels come from, the kernel's first; [] if
+    permute() cannot reorder them.
+
+    Dense/ConvND (channels_last, groups=1) and SeparableConv: the (pointwise) kernel's last axis and
+    the bias. EinsumDense: the kernel axis (and bias axis) of the output's last axis.
+    MultiHeadAttention: those of its output projection. Embedding: the table's last axis.
+    """
+    kind = type(layer).__name__
+    if (not getattr(layer, "built", False)
+            or getattr(layer, "data_format", "channels_last") != "channels_last"):
+        return []
+    if (kind in _KERNEL_LAYERS and getattr(layer, "groups", 1) == 1) or kind in _SEPARABLE:
+        kernel = layer.kernel if kind in _KERNEL_LAYERS else layer.pointwise_kernel
+        bias = [_Axis(layer.bias, 0)] if layer.bias is not None else []
+        return [_Axis(kernel, kernel.ndim - 1), *bias]
+    if kind == "EinsumDense":
+        return _einsum_writes(layer)
+    if kind == "MultiHeadAttention":
+        return _einsum_writes(layer.output_dense)
+    if kind == "Embedding":
+        return [_Axis(layer.embeddings, 1)]
+    return []
+
+
+def _roles(graph: _Graph, name: str) -> list[str]:
+    """The call argument (parameter name) each input of `name`'s first call is passed as;
+    [] when unknown."""
+    op, call = graph.ops[name], graph.calls.get(name)
+    sources = (graph.inputs.get(name) or [[]])[0]
+    try:
+        params = list(inspect.signature(op.call).parameters)
+    except (TypeError, ValueError):
+        return []
+    if not call:  # a Sequential model's layer: its one input
+        return params[:1] if len(sources) == 1 else []
+    roles = []
+    for i, arg in enumerate(call.get("args", [])):
+        roles += [params[i] if i < len(params) else ""] * len(_tensor_specs(arg))
+    for key, value in call.get("kwargs", {}).items():
+        roles += [key] * len(_tensor_specs(value))
+    return roles if len(roles) == len(sources) else []
+
+
+def _argument_reads(graph: _Graph, name: str) -> list[tuple[str, ...]]:
+    """For each input of `name`'s first call, the entries of `_reads` that read it: () for an input
+    no kernel reads (an attention mask); MultiHeadAttention's value is also its key when no key
+    is passed."""
+    op = graph.ops[name]
+    sources = (graph.inputs.get(name) or [[]])[0]
+    reads = _reads(op)
+    roles = _roles(graph, name) if reads else []
+    if not roles:
+        return [()] * len(sources)
+    if type(op).__name__ == "MultiHeadAttention" and "key" not in roles:
+        return [("value", "key") if role == "value" else (role,) if role in reads else ()
+                for role in roles]
+    return [(role,) if role in reads else () for role in roles]
 
 
 def _grouped_depthwise(layer) -> bool:
@@ -779,9 +883,10 @@ def _probe(graph: _Graph, name: str) -> bool:
     """Whether a layer permute() does not know acts channel by channel, found by running a copy of
     it (ConvNeXt's LayerScale `x * gamma`, InceptionResNetV2's CustomScaleLayer `a + b * s`).
 
-    Only for layers whose weights are all `[C]` vectors and whose inputs and output all have C
-    channels: the copy runs on random inputs, then on the same inputs with their channels
-    reordered and its weights reordered alike, for the permutations (0 1), (0 1 ... C-1), which
+    Only for layers whose weights all have C entries along their last axis (`[C]` vectors, a
+    learned position table `[L, C]`) and whose inputs and output all have C channels: the copy
+    runs on random inputs, then on the same inputs with their channels reordered and its weights
+    reordered alike along their last axis, for the permutations (0 1), (0 1 ... C-1), which
     generate all of them, and one at random; the outputs must differ only by that reordering.
     Anything that cannot be copied (from_config), run or compared counts as not channel by
     channel. Cached per layer name in `graph.probed`.
@@ -795,7 +900,7 @@ def _commutes_when_run(graph: _Graph, name: str) -> bool:
     layer, channels = graph.ops[name], _output_channels(graph.ops[name])
     if (channels is None or channels < 2 or not isinstance(layer, keras.layers.Layer)
             or isinstance(layer, (keras.Model, keras.layers.InputLayer)) or not layer.built
-            or any(tuple(w.shape) != (channels,) for w in layer.weights)):
+            or any(not w.shape or w.shape[-1] != channels for w in layer.weights)):
         return False
     call = graph.calls.get(name, {})  # a Sequential layer: called on its one input
     kwargs, args = call.get("kwargs", {}), call.get("args", [])
@@ -812,7 +917,7 @@ def _commutes_when_run(graph: _Graph, name: str) -> bool:
     def run(copy, perm: np.ndarray) -> np.ndarray:
         moved = [x[..., perm] for x in inputs]
         if weights:
-            copy.set_weights([w[perm] for w in weights])
+            copy.set_weights([w[..., perm] for w in weights])
         out = copy(moved, **kwargs) if packed else copy(*moved, **kwargs)
         return keras.ops.convert_to_numpy(out).astype("float64")
 
@@ -855,15 +960,17 @@ def _segments(graph: _Graph, name: str) -> list[int]:
 
 
 def _frozen(name: str, layer: keras.Operation) -> str:
-    """Why `layer`'s weights cannot be permuted as plain arrays ('' when they can)."""
+    """Why `layer`'s weights cannot be permuted as plain arrays ('' when they can): it or a layer
+    inside it (MultiHeadAttention's projections) is quantized or has LoRA enabled."""
     if not isinstance(layer, keras.layers.Layer):  # a keras op: no weights
         return ""
-    if quantized_layers(layer):
-        return (f"{_describe(name, layer)} is quantized ({layer.quantization_mode}): permute the "
-                "float model, then quantize")
-    if lora_layers(layer, layer.weights):
-        return (f"LoRA is enabled on {_describe(name, layer)} (its kernel is kernel + lora_a @ "
-                "lora_b)")
+    layers = [layer, *walk_layers(layer)]
+    if quantized := [sub for sub in layers if getattr(sub, "quantization_mode", None)]:
+        return (f"{_describe(name, layer)} is quantized ({quantized[0].quantization_mode}): "
+                "permute the float model, then quantize")
+    if any(getattr(sub, "lora_enabled", False) for sub in layers):
+        return (f"LoRA is enabled on {_describe(name, layer)} (the weights it uses are w + "
+                "lora_a @ lora_b)")
     return ""
 
 
@@ -871,9 +978,10 @@ class _Space(NamedTuple):
     """The layers that share one channel space (one order of the same `channels`): name -> offset
     of those channels in the layer's channel axis (non-zero past a concatenation), graph order."""
 
-    producers: dict[str, int]  # whose (pointwise) kernel's output axis carries the channels
+    producers: dict[str, int]  # whose `_writes` axes carry the channels
     through: dict[str, int]  # pass-through, merge and concatenation layers on the way
-    consumers: dict[str, int]  # whose kernel's input axis reads them
+    consumers: dict[str, int]  # whose `_reads` axes read them
+    reads: dict[str, tuple[str, ...]]  # per consumer, the `_reads` entries that read them
     channels: int
     carriers: set[str]  # layers whose whole output is the space (seeds of the same space)
     reason: str  # why the space cannot be permuted ('' when it can)
@@ -895,7 +1003,7 @@ def _space(graph: _Graph, seed: str) -> _Space:
     slice at an offset (DenseNet: one layer's channels, read by every later layer of its block).
     Stops at anything else; the first such stop is the reason the space is skipped.
     """
-    producers, through, consumers, reasons = {}, {}, {}, []
+    producers, through, consumers, reads, reasons = {}, {}, {}, {}, []
     carriers, channels, whole = {seed: 0}, 0, set()
     queue = [seed]
 
@@ -924,7 +1032,7 @@ def _space(graph: _Graph, seed: str) -> _Space:
         channels = channels or int(_output_channels(op))
         if offset == 0 and _output_channels(op) == channels:
             whole.add(name)
-        if _output_kernel(op) is not None:
+        if _writes(op):
             producers[name] = offset
         elif carrying := _carrying(graph, name):
             through[name] = offset
@@ -948,11 +1056,18 @@ def _space(graph: _Graph, seed: str) -> _Space:
             op = graph.ops[user]
             if why := _shared(graph, user):
                 reasons.append(f"channels reach {_describe(user, op)}, which {why}")
-            elif _input_kernel(op) is not None:
+            elif _reads(op):
+                by_input = _argument_reads(graph, user)
+                at = [i for i, source in enumerate(graph.inputs[user][0]) if source == name]
+                if not all(by_input[i] for i in at):
+                    reasons.append(f"channels reach {_describe(user, op)} as an input that no "
+                                   "kernel of it reads")
                 if offset % 4:  # its groups of 4 would mix these channels with others
                     reasons.append(f"channels reach {_describe(user, op)} at input channel {offset}, "
                                    "not a multiple of 4")
-                consumers[user] = offset
+                if consumers.setdefault(user, offset) != offset:
+                    reasons.append(f"channels reach {_describe(user, op)} at two offsets")
+                reads[user] = {*reads.get(user, ()), *(r for i in at for r in by_input[i])}
             elif carrying := _carrying(graph, user):
                 if name in (graph.inputs[user][0][i] for i in carrying):
                     carry(user, offset)
@@ -976,7 +1091,10 @@ def _space(graph: _Graph, seed: str) -> _Space:
                     for n in [*producers, *through] if not _activation_commutes(graph.ops[n])]
         reasons += filter(None, (_frozen(n, graph.ops[n]) for n in [*producers, *through,
                                                                      *consumers]))
-    return _Space(producers, through, consumers, channels, whole, reasons[0] if reasons else "")
+    reads = {user: tuple(r for r in _reads(graph.ops[user]) if r in roles)  # in _reads' order
+             for user, roles in reads.items()}
+    return _Space(producers, through, consumers, reads, channels, whole,
+                  reasons[0] if reasons else "")
 
 
 def _roots(graph: _Graph, name: str) -> list[str]:
@@ -992,22 +1110,25 @@ def _roots(graph: _Graph, name: str) -> list[str]:
     return [name]
 
 
-def _channel_rows(graph: _Graph, consumers: dict[str, int], channels: int) -> np.ndarray:
-    """The consumers' input kernels, at their offsets, as one `[rows, channels]` matrix (ASP's
-    orientation).
+def _channel_rows(graph: _Graph, space: _Space) -> np.ndarray:
+    """The consumers' kernels that read `space` (their `_reads` kernels), at their offsets, as one
+    `[rows, channels]` matrix (ASP's orientation).
 
     Raises:
         ValueError: naming the first layer whose kernel has NaN/Inf.
     """
     rows = []
-    for name, offset in consumers.items():
-        kernel = _input_kernel(graph.ops[name]).numpy()
-        if not np.all(np.isfinite(kernel)):
-            raise ValueError(
-                f"permute(): the kernel of layer {name!r} contains NaN/Inf; cannot search a "
-                "channel order for it."
-            )
-        rows.append(channel_matrix(kernel, kernel.ndim - 2)[:, offset:offset + channels])
+    for name, offset in space.consumers.items():
+        axes = _reads(graph.ops[name])
+        for role in space.reads[name]:
+            kernel, axis = axes[role][0]
+            kernel = kernel.numpy()
+            if not np.all(np.isfinite(kernel)):
+                raise ValueError(
+                    f"permute(): the kernel of layer {name!r} contains NaN/Inf; cannot search a "
+                    "channel order for it."
+                )
+            rows.append(channel_matrix(kernel, axis)[:, offset:offset + space.channels])
     return np.concatenate(rows)
 
 
@@ -1018,12 +1139,14 @@ def _plan(
     skipped ones; one per space that a selected consumer reads."""
     plans, reports, seen = [], [], set()
     for name, op in graph.ops.items():
-        if _input_kernel(op) is None or (selectors and not _matches(op, selectors)):
+        by_input = _argument_reads(graph, name)
+        if not any(by_input) or (selectors and not _matches(op, selectors)):
             continue
         if why := _shared(graph, name):
             reports.append(PermutationReport(None, (name,), 0, False, f"{_describe(name, op)} {why}"))
             continue
-        for root in _roots(graph, graph.inputs[name][0][0]):
+        sources = dict.fromkeys(s for s, read in zip(graph.inputs[name][0], by_input) if read)
+        for root in (root for source in sources for root in _roots(graph, source)):
             if root in seen:
                 continue
             space = _space(graph, root)
@@ -1039,7 +1162,7 @@ def _plan(
                     next(iter(space.producers), None), readers, channels if space.producers else 0,
                     False, reason, producers=tuple(space.producers)))
             else:
-                rows = _channel_rows(graph, space.consumers, channels)
+                rows = _channel_rows(graph, space)
                 plans.append(_Plan(space, rows))
     return plans, reports
 
@@ -1161,24 +1284,20 @@ def _apply(model: keras.Model, space: _Space, perm: np.ndarray) -> None:
         variable.assign(np.take(values, index, axis=axis))
 
     for name, offset in space.producers.items():
-        layer = _layer_at(model, name)
-        take(_output_kernel(layer), -1, offset)
-        if getattr(layer, "bias", None) is not None:
-            take(layer.bias, 0, offset)
+        for variable, axis in _writes(_layer_at(model, name)):
+            take(variable, axis, offset)
     for name, offset in space.through.items():
-        # BatchNormalization/LayerNormalization and probed layers: all [C]; depthwise: kernel
+        # BatchNormalization/LayerNormalization: [C]; probed layers: [..., C]; depthwise: kernel
         # [..., C, 1], bias [C]; grouped depthwise ConvND: kernel [..., 1, C], bias [C].
         layer = _layer_at(model, name)  # None for a keras op: no weights
         for variable in layer.weights if layer is not None else []:
-            axis = variable.ndim - (1 if _grouped_depthwise(layer) else 2)
-            take(variable, 0 if variable.ndim == 1 else axis, offset)
+            depthwise = type(layer).__name__ in _DEPTHWISE and variable.ndim > 1
+            take(variable, variable.ndim - 2 if depthwise else variable.ndim - 1, offset)
     for name, offset in space.consumers.items():
-        layer = _layer_at(model, name)
-        kernels = [_input_kernel(layer)]
-        if type(layer).__name__ in _SEPARABLE:
-            kernels.append(layer.depthwise_kernel)  # [..., C, 1]
-        for kernel in kernels:
-            take(kernel, kernel.ndim - 2, offset)
+        axes = _reads(_layer_at(model, name))
+        for role in space.reads[name]:
+            for variable, axis in axes[role]:
+                take(variable, axis, offset)
 
 
 def _layer_at(model: keras.Model, path: str) -> keras.layers.Layer | None:

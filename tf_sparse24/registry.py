@@ -131,6 +131,13 @@ def quantized_layers(layer: keras.layers.Layer) -> list[str]:
     ]
 
 
+def einsum_parts(equation: str) -> tuple[str, str, str] | None:
+    """An EinsumDense equation's input, kernel and output subscripts (`"abc,cd->abd"` ->
+    `("abc", "cd", "abd")`; the input and output may hold `...`); None if it does not parse."""
+    match = re.match(r"^([\w.]+),(\w+)->([\w.]+)$", equation.replace(" ", ""))
+    return None if match is None else match.groups()
+
+
 def einsum_axis(equation: str) -> int | str:
     """Grouping axis of an EinsumDense kernel, or the reason it is not prunable.
 
@@ -139,10 +146,10 @@ def einsum_axis(equation: str) -> int | str:
     elements along it all sum into the same output, as contract 1 asks; the format's [K, N] view
     (`format.to_2d`) keeps them whole for any axis.
     """
-    match = re.match(r"^([\w.]+),(\w+)->([\w.]+)$", equation.replace(" ", ""))
-    if match is None:
+    parts = einsum_parts(equation)
+    if parts is None:
         return f"cannot parse einsum equation {equation!r}"
-    inputs, kernel, output = match.groups()
+    inputs, kernel, output = parts
     contracted = [i for i, c in enumerate(kernel) if c in inputs and c not in output]
     if not contracted:
         return f"einsum equation {equation!r} contracts no kernel axis"
