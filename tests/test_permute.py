@@ -1134,3 +1134,31 @@ def test_permute_stops_a_transformer_stream_where_channels_are_not_followed():
     assert report_of["after_gate"].reason == (
         "channels reach 'mha' (MultiHeadAttention) as an input that no kernel of it reads")
     assert "LoRA is enabled on 'lora_embed' (Embedding)" in report_of["after_lora"].reason
+
+
+def test_permute_reorders_value_channels_within_each_attention_head():
+    # A MultiHeadAttention called twice on model inputs (no channel space between layers to
+    # permute): its value heads are still reordered, each within its own head; value_dim 6 is
+    # reported and left alone.
+    query, value = keras.Input((5, 12)), keras.Input((7, 12))
+    mha = keras.layers.MultiHeadAttention(3, 4, value_dim=8, name="mha")
+    odd = keras.layers.MultiHeadAttention(2, 4, value_dim=6, name="odd")
+    outputs = [mha(query, value), mha(value, query), odd(query, value)]
+    model = keras.Model([query, value], outputs)
+    _randomize(model, seed=47)
+
+    permuted, reports = permute(model, kicks=2, progress=False)
+
+    _assert_same_function(model, permuted, [_x(4, 5, 12, seed=48), _x(4, 7, 12, seed=49)])
+    by_layer = {r.producer: r for r in reports if r.heads}
+    assert by_layer["mha"].permuted and by_layer["mha"].heads == 3
+    assert by_layer["mha"].channels == 8 and by_layer["mha"].gain_percent > 0
+    assert by_layer["odd"].reason == "value_dim 6, not a multiple of 4"
+    old, new = model.get_layer("mha"), permuted.get_layer("mha")
+    kernel_old, kernel_new = old.value_dense.kernel.numpy(), new.value_dense.kernel.numpy()
+    assert not np.array_equal(kernel_old, kernel_new)
+    for h in range(3):  # the same columns, reordered within the head
+        columns = sorted(map(tuple, kernel_old[:, h, :].T.round(6)))
+        assert sorted(map(tuple, kernel_new[:, h, :].T.round(6))) == columns
+    kept = sum(kept_magnitude(channel_matrix(head, 0)) for head in new.output_dense.kernel.numpy())
+    assert kept == pytest.approx(by_layer["mha"].kept_after, rel=1e-6)

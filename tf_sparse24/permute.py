@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import keras
 import numpy as np
+from tqdm.auto import tqdm
 
 from tf_sparse24.prune import (
     _check_model,
@@ -76,11 +77,19 @@ def permutation_efficacy(matrix: np.ndarray, permutation: np.ndarray) -> float:
 
     0 = no better than plain 2:4, 100 = as good as keeping the top half of every row.
     """
-    a = np.abs(np.asarray(matrix, dtype=np.float64))
-    total = a.sum()
-    lost_plain = total - kept_magnitude(a)
-    lost_perm = total - kept_magnitude(a, permutation)
-    lost_rows = total - np.sort(a, axis=1)[:, a.shape[1] // 2 :].sum()
+    return _efficacy([matrix], [permutation])
+
+
+def _efficacy(matrices: list[np.ndarray], permutations: list[np.ndarray]) -> float:
+    """`permutation_efficacy` of several matrices, each with its own permutation, taken
+    together (their lost magnitudes summed)."""
+    lost_plain = lost_perm = lost_rows = 0.0
+    for matrix, permutation in zip(matrices, permutations):
+        a = np.abs(np.asarray(matrix, dtype=np.float64))
+        total = a.sum()
+        lost_plain += total - kept_magnitude(a)
+        lost_perm += total - kept_magnitude(a, permutation)
+        lost_rows += total - np.sort(a, axis=1)[:, a.shape[1] // 2 :].sum()
     if lost_plain - lost_rows <= 0:
         return 100.0 if lost_perm <= lost_plain else 0.0
     return float(100.0 * (lost_plain - lost_perm) / (lost_plain - lost_rows))
@@ -376,8 +385,6 @@ def search_permutation(
     per_block = default_kicks(len(blocks[0])) if kicks is None else kicks
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=per_block * len(blocks), desc=f"permutation search ({channels} channels)",
                    unit="kick", leave=False)
     perm = np.arange(channels)
@@ -456,6 +463,10 @@ class PermutationReport:
     `producer` is the first of `producers` (None when there is none). `kept_before`/`kept_after`
     are the |w| the consumers' kernels keep under 2:4; `efficacy` is ASP's metric in percent (None
     when skipped).
+
+    `heads` > 0 marks the space inside one MultiHeadAttention layer (producer and consumer): the
+    output channels of its value projection, read by its output projection, reordered within each
+    of its `heads` heads (`channels` per head; the figures sum over the heads).
     """
 
     producer: str | None
@@ -467,6 +478,7 @@ class PermutationReport:
     kept_after: float = 0.0
     efficacy: float | None = None
     producers: tuple[str, ...] = ()
+    heads: int = 0
 
     @property
     def gain_percent(self) -> float:
@@ -1167,6 +1179,61 @@ def _plan(
     return plans, reports
 
 
+class _HeadPlan(NamedTuple):
+    """A MultiHeadAttention layer whose value heads to permute, and its output projection's
+    kernel per head as `[rows, value_dim]`."""
+
+    name: str
+    rows: list[np.ndarray]
+
+
+def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[PermutationReport]]:
+    """The MultiHeadAttention layers whose value heads can be permuted, and reports for the
+    others. Head h of the value projection (kernel `[d, H, Dv]`, bias `[H, Dv]`) writes the
+    channels that head h of the output projection (kernel `[H, Dv, ...]`, grouped along Dv) reads;
+    attention weighs all Dv channels of a head alike, so each head's Dv channels can be reordered
+    on their own, whatever the layer's inputs and outputs are (it may be called several times)."""
+    plans, reports = [], []
+    for name, op in graph.ops.items():
+        if (type(op).__name__ != "MultiHeadAttention" or not op.built
+                or (selectors and not _matches(op, selectors))):
+            continue
+        heads, value_dim = op.num_heads, op.value_dense.kernel.shape[-1]
+        reason = _frozen(name, op)
+        if not reason and value_dim % 4:
+            reason = f"value_dim {value_dim}, not a multiple of 4"
+        if not reason and (tuple(op.value_dense.kernel.shape[-2:]) != (heads, value_dim)
+                           or tuple(op.output_dense.kernel.shape[:2]) != (heads, value_dim)):
+            reason = f"{_describe(name, op)} has projections of unexpected shapes"
+        if reason:
+            reports.append(PermutationReport(name, (name,), value_dim, False, reason,
+                                             producers=(name,), heads=heads))
+            continue
+        kernel = op.output_dense.kernel.numpy()
+        if not np.all(np.isfinite(kernel)):
+            raise ValueError(
+                f"permute(): the kernel of layer {name!r} contains NaN/Inf; cannot search a "
+                "channel order for it."
+            )
+        plans.append(_HeadPlan(name, [channel_matrix(head, 0) for head in kernel]))
+    return plans, reports
+
+
+def _apply_heads(model: keras.Model, name: str, perms: list[np.ndarray]) -> None:
+    """Reorders each head's value channels: the value projection's kernel and bias along Dv, the
+    output projection's kernel along its Dv axis."""
+    layer = _layer_at(model, name)
+    value_dim = len(perms[0])
+    index = np.concatenate([h * value_dim + perm for h, perm in enumerate(perms)])
+    for variable, first in ((layer.value_dense.kernel, 1), (layer.value_dense.bias, 0),
+                            (layer.output_dense.kernel, 0)):
+        if variable is None:
+            continue
+        values = variable.numpy()  # heads and Dv at axes `first`, `first + 1`
+        flat = values.reshape(*values.shape[:first], -1, *values.shape[first + 2:])
+        variable.assign(np.take(flat, index, axis=first).reshape(values.shape))
+
+
 def permute(
     model: keras.Model,
     *,
@@ -1250,26 +1317,42 @@ def permute(
         )
     _check_untied(model, "permute")
     plans, reports = _plan(graph, selectors, max_channels)
+    head_plans, head_reports = _head_plans(graph, selectors)
+    reports += head_reports
     copy = clone_graph(model, _copy_layer, "permute")
-    bar = None
-    if progress and plans:
-        from tqdm.auto import tqdm
+    bar = tqdm(total=len(plans) + len(head_plans), desc="channel permutations", unit="space",
+               leave=False, disable=not (progress and (plans or head_plans)))
 
-        bar = tqdm(plans, desc="channel permutations", unit="layer", leave=False)
-    for plan in bar if bar is not None else plans:
-        perm = search_permutation(plan.rows, axis=1, kicks=kicks, seed=seed,
+    def search(rows: np.ndarray) -> np.ndarray:
+        return search_permutation(rows, axis=1, kicks=kicks, seed=seed,
                                   block_channels=block_channels)
+
+    for plan in plans:
+        perm = search(plan.rows)
         _apply(copy, plan.space, perm)
         reports.append(PermutationReport(
             next(iter(plan.space.producers)), tuple(plan.space.consumers), len(perm), True, "",
             kept_magnitude(plan.rows), kept_magnitude(plan.rows, perm),
             permutation_efficacy(plan.rows, perm), tuple(plan.space.producers)))
+        bar.update()
+    for plan in head_plans:
+        perms = [search(rows) for rows in plan.rows]
+        _apply_heads(copy, plan.name, perms)
+        reports.append(PermutationReport(
+            plan.name, (plan.name,), len(perms[0]), True, "",
+            sum(map(kept_magnitude, plan.rows)), sum(map(kept_magnitude, plan.rows, perms)),
+            _efficacy(plan.rows, perms), (plan.name,), heads=len(perms)))
+        bar.update()
+    bar.close()
     if print_fn is not None:
         for r in reports:
             what = (f"kept |w| {r.kept_before:.4g} -> {r.kept_after:.4g} (+{r.gain_percent:.2f}%, "
                     f"efficacy {r.efficacy:.1f}%)" if r.permuted else f"skipped: {r.reason}")
-            print_fn(f"{'+'.join(r.producers) or '-'} -> {', '.join(r.consumers)} "
-                     f"[{r.channels} ch]: {what}")
+            where = (f"{r.producer} value heads -> its output projection [{r.heads} x "
+                     f"{r.channels} ch]" if r.heads else
+                     f"{'+'.join(r.producers) or '-'} -> {', '.join(r.consumers)} "
+                     f"[{r.channels} ch]")
+            print_fn(f"{where}: {what}")
     return copy, reports
 
 
