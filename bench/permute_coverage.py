@@ -1,28 +1,89 @@
 """How much of a real architecture `tf_sparse24.permute` reaches, and that it keeps the function.
 
-For each keras.applications model (random weights: nothing is downloaded; 32x32x3 inputs unless
---size says otherwise, 10 classes; every 1-D weight (biases, BatchNorm and LayerNorm parameters and
+For each keras.applications model, or one of the two transformers built here (`ViT`: patch conv,
+learned positions, pre-LayerNorm blocks of MultiHeadAttention and a GELU MLP, 4 blocks of width 64;
+`TextTransformer`: examples/text_transformer.py's model) (random weights: nothing is downloaded;
+32x32x3 inputs unless --size says otherwise, 10 classes; every 1-D weight (biases, BatchNorm and LayerNorm parameters and
 statistics, LayerScale) randomized so that a misaligned channel would show; float64 so that rounding
 does not hide one): the channel spaces permuted and skipped (with the most common skip reasons), how
-many of the model's Dense/Conv (groups=1)/SeparableConv layers read a permuted space (their input
-channels reordered: what 2:4 groups), permute's wall time, and the largest |output difference|
-between the model and its permuted copy.
+many of the model's Dense/Conv (groups=1)/SeparableConv/EinsumDense/MultiHeadAttention layers read
+a permuted space (their input channels reordered: what 2:4 groups; for attention, the query, key
+and value projections), how many attention layers had their value heads reordered, permute's wall
+time, and the largest |output difference| between the model and its permuted copy.
 
     .venv/bin/python bench/permute_coverage.py                        # ResNet50 MobileNetV2 EfficientNetB0
     .venv/bin/python bench/permute_coverage.py Xception --size 71     # Xception needs >= 71x71
     .venv/bin/python bench/permute_coverage.py --as-base MobileNetV2  # nested, as in fine-tuning
+    .venv/bin/python bench/permute_coverage.py ViT TextTransformer
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
+import sys
 import time
 
 import keras
 import numpy as np
 
-CONSUMERS = ("Dense", "Conv1D", "Conv2D", "Conv3D", "SeparableConv1D", "SeparableConv2D")
+CONSUMERS = ("Dense", "Conv1D", "Conv2D", "Conv3D", "SeparableConv1D", "SeparableConv2D",
+             "EinsumDense", "MultiHeadAttention")
+
+
+@keras.saving.register_keras_serializable(package="permute_coverage")
+class PositionTable(keras.layers.Layer):
+    """x + a learned [tokens, C] table (the ViT example's position embedding, added in)."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=tuple(shape[1:]), initializer="random_normal")
+
+    def call(self, x):
+        return x + self.table
+
+
+def vit(size: int, depth: int = 4, dim: int = 64, heads: int = 4) -> keras.Model:
+    """A small pre-LayerNorm ViT from keras layers: 4x4 patches, learned positions, `depth`
+    blocks of self-attention and a GELU MLP, mean pooling, 10 classes."""
+    layers = keras.layers
+    inputs = keras.Input((size, size, 3))
+    patches = layers.Reshape((-1, dim))(layers.Conv2D(dim, 4, strides=4, name="patches")(inputs))
+    x = PositionTable(name="positions")(patches)
+    for i in range(depth):
+        y = layers.LayerNormalization(epsilon=1e-6)(x)
+        x = layers.Add()([x, layers.MultiHeadAttention(heads, dim // heads, name=f"attn{i}")(y, y)])
+        y = layers.Dense(2 * dim, activation="gelu", name=f"mlp{i}_in")(
+            layers.LayerNormalization(epsilon=1e-6)(x))
+        x = layers.Add()([x, layers.Dense(dim, name=f"mlp{i}_out")(y)])
+    x = layers.GlobalAveragePooling1D()(layers.LayerNormalization(epsilon=1e-6)(x))
+    return keras.Model(inputs, layers.Dense(10, name="head")(x), name="vit")
+
+
+def text_transformer() -> keras.Model:
+    """examples/text_transformer.py's model: Embedding, self-attention, FFN, mean, logits."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    import text_transformer as example
+
+    return example.build_model(keras)
+
+
+def build(name: str, size: int, as_base: bool, rng: np.random.Generator) -> tuple:
+    """`(model, input batch, row name)` for a keras.applications model name or one built here."""
+    shape = (size, size, 3)
+    images = rng.normal(size=(2, *shape))
+    if name == "ViT":
+        return vit(size), images, name
+    if name == "TextTransformer":
+        model = text_transformer()
+        return model, rng.integers(0, 8000, (2, model.input.shape[1])), name
+    if as_base:
+        base = getattr(keras.applications, name)(weights=None, input_shape=shape, include_top=False)
+        inputs = keras.Input(shape)
+        pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(10, name="head")(pooled))
+        return model, images, f"{name} as a base model"
+    return getattr(keras.applications, name)(weights=None, input_shape=shape, classes=10), images, name
 
 
 def randomize_vectors(layers: list, rng: np.random.Generator) -> None:
@@ -53,36 +114,30 @@ def main() -> None:
     import tf_sparse24
     from tf_sparse24.prune import walk_layers
 
-    print("| model | spaces permuted / skipped | Dense/Conv/SeparableConv layers read a permuted space | "
-          "permute s | max abs output diff (output scale) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| model | spaces permuted / skipped | layers read a permuted space | attention heads "
+          "permuted | permute s | max abs output diff (output scale) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     notes = []
     for name in args.models:
         keras.utils.set_random_seed(args.seed)
         rng = np.random.default_rng(args.seed)
-        shape = (args.size, args.size, 3)
-        if args.as_base:
-            base = getattr(keras.applications, name)(
-                weights=None, input_shape=shape, include_top=False)
-            inputs = keras.Input(shape)
-            pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
-            model = keras.Model(inputs, keras.layers.Dense(10, name="head")(pooled))
-            name = f"{name} as a base model"
-        else:
-            model = getattr(keras.applications, name)(weights=None, input_shape=shape, classes=10)
+        model, x, name = build(name, args.size, args.as_base, rng)
         layers = walk_layers(model)  # nested models' layers too (ConvNeXt nests Sequentials)
         randomize_vectors(layers, rng)
-        x = rng.normal(size=(2, args.size, args.size, 3))
         start = time.perf_counter()
         permuted, reports = tf_sparse24.permute(model, seed=args.seed, progress=False)
         seconds = time.perf_counter() - start
+        attention = [layer for layer in layers if type(layer).__name__ == "MultiHeadAttention"]
+        projections = {id(sub) for layer in attention for sub in walk_layers(layer)}
         kernels = sum(type(layer).__name__ in CONSUMERS and getattr(layer, "groups", 1) == 1
+                      and id(layer) not in projections  # counted as their attention layer
                       for layer in layers)  # permute leaves grouped convs alone
         done = [r for r in reports if r.permuted]
         before = np.asarray(model(x, training=False))
         diff = np.abs(np.asarray(permuted(x, training=False)) - before).max()
         print(f"| {name} | {len(done)} / {len(reports) - len(done)} | "
-              f"{len({c for r in done for c in r.consumers})} of {kernels} | {seconds:.0f} | "
+              f"{len({c for r in done if not r.heads for c in r.consumers})} of {kernels} | "
+              f"{sum(1 for r in done if r.heads)} of {len(attention)} | {seconds:.0f} | "
               f"{diff:.1e} ({np.abs(before).max():.1e}) |", flush=True)
         reasons = collections.Counter(r.reason for r in reports if not r.permuted)
         notes += [f"{name}: {n} x {reason}" for reason, n in reasons.most_common(3)]

@@ -1162,3 +1162,47 @@ def test_permute_reorders_value_channels_within_each_attention_head():
         assert sorted(map(tuple, kernel_new[:, h, :].T.round(6))) == columns
     kept = sum(kept_magnitude(channel_matrix(head, 0)) for head in new.output_dense.kernel.numpy())
     assert kept == pytest.approx(by_layer["mha"].kept_after, rel=1e-6)
+
+
+@keras.saving.register_keras_serializable(package="test_permute")
+class _EncoderBlock(keras.layers.Layer):
+    """A transformer block as a custom layer (the Keras examples' TransformerBlock): permute()
+    cannot follow channels through it, but reaches the attention layer inside."""
+
+    def __init__(self, heads=2, key_dim=8, **kwargs):
+        super().__init__(**kwargs)
+        self.heads, self.key_dim = heads, key_dim
+        self.attention = keras.layers.MultiHeadAttention(heads, key_dim)  # automatic name
+        self.norm = keras.layers.LayerNormalization()
+
+    def get_config(self):
+        return {**super().get_config(), "heads": self.heads, "key_dim": self.key_dim}
+
+    def build(self, shape):
+        self.attention.build(shape, shape)
+        self.norm.build(shape)
+
+    def call(self, x):
+        return self.norm(x + self.attention(x, x))
+
+
+def test_permute_reorders_value_heads_of_attention_inside_custom_layers():
+    inputs = keras.Input((5, 16))
+    block = _EncoderBlock(name="block")
+    x = _EncoderBlock(name="other")(block(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+    _randomize(model, seed=50)
+    inner = block.attention.name
+
+    permuted, reports = permute(model, kicks=2, progress=False, layers=[inner, "head"])
+
+    _assert_same_function(model, permuted, _x(3, 5, 16, seed=51))
+    assert [(r.producer, r.heads, r.permuted) for r in reports if r.heads] == [
+        (f"block/{inner}", 2, True)]  # `layers=` names the attention inside 'block' only
+    copy = next(layer for layer in permuted.layers if layer.name == "block").attention
+    assert not np.array_equal(copy.value_dense.kernel.numpy(),
+                              block.attention.value_dense.kernel.numpy())
+
+    _, reports = permute(model, kicks=2, progress=False)
+    assert sorted(r.producer for r in reports if r.heads and r.permuted) == sorted(
+        [f"block/{inner}", f"other/{model.get_layer('other').attention.name}"])

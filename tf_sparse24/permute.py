@@ -1179,12 +1179,37 @@ def _plan(
     return plans, reports
 
 
+class _Attention(NamedTuple):
+    """A MultiHeadAttention layer of a model's graph, or inside one of its layers."""
+
+    name: str  # in reports: its graph name, or 'holder/attention' inside a layer
+    holder: str  # graph name of the layer that holds it (itself at the top)
+    index: int | None  # its position in walk_layers(holder); None: the holder itself
+    layer: keras.layers.Layer
+
+
 class _HeadPlan(NamedTuple):
     """A MultiHeadAttention layer whose value heads to permute, and its output projection's
     kernel per head as `[rows, value_dim]`."""
 
-    name: str
+    attention: _Attention
     rows: list[np.ndarray]
+
+
+def _attention_layers(graph: _Graph) -> tuple[list[_Attention], set[int]]:
+    """Every MultiHeadAttention layer of the graph, at the top or inside another layer (a
+    transformer block layer, a nested model); and the ids of those found more than once (in two
+    layers, or at the top and inside a nested model)."""
+    found, count = {}, collections.Counter()
+    for name, op in graph.ops.items():
+        if not isinstance(op, keras.layers.Layer):
+            continue
+        inside = [(f"{name}/{sub.name}", i, sub) for i, sub in enumerate(walk_layers(op))]
+        for label, index, layer in [(name, None, op), *inside]:
+            if type(layer).__name__ == "MultiHeadAttention":
+                count[id(layer)] += 1
+                found.setdefault(id(layer), _Attention(label, name, index, layer))
+    return list(found.values()), {i for i, n in count.items() if n > 1}
 
 
 def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[PermutationReport]]:
@@ -1194,12 +1219,15 @@ def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[P
     attention weighs all Dv channels of a head alike, so each head's Dv channels can be reordered
     on their own, whatever the layer's inputs and outputs are (it may be called several times)."""
     plans, reports = [], []
-    for name, op in graph.ops.items():
-        if (type(op).__name__ != "MultiHeadAttention" or not op.built
-                or (selectors and not _matches(op, selectors))):
+    attention_layers, repeated = _attention_layers(graph)
+    for attention in attention_layers:
+        name, op = attention.name, attention.layer
+        if not op.built or (selectors and not _matches(op, selectors)):
             continue
         heads, value_dim = op.num_heads, op.value_dense.kernel.shape[-1]
         reason = _frozen(name, op)
+        if not reason and (id(op) in repeated or attention.holder in graph.hidden):
+            reason = f"{_describe(name, op)} is shared (also used inside another layer)"
         if not reason and value_dim % 4:
             reason = f"value_dim {value_dim}, not a multiple of 4"
         if not reason and (tuple(op.value_dense.kernel.shape[-2:]) != (heads, value_dim)
@@ -1215,14 +1243,20 @@ def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[P
                 f"permute(): the kernel of layer {name!r} contains NaN/Inf; cannot search a "
                 "channel order for it."
             )
-        plans.append(_HeadPlan(name, [channel_matrix(head, 0) for head in kernel]))
+        plans.append(_HeadPlan(attention, [channel_matrix(head, 0) for head in kernel]))
     return plans, reports
 
 
-def _apply_heads(model: keras.Model, name: str, perms: list[np.ndarray]) -> None:
-    """Reorders each head's value channels: the value projection's kernel and bias along Dv, the
-    output projection's kernel along its Dv axis."""
-    layer = _layer_at(model, name)
+def _apply_heads(model: keras.Model, attention: _Attention, perms: list[np.ndarray]) -> None:
+    """Reorders each head's value channels in `model`'s copy of `attention`: the value
+    projection's kernel and bias along Dv, the output projection's kernel along its Dv axis."""
+    layer = _layer_at(model, attention.holder)
+    if attention.index is not None:
+        layer = walk_layers(layer)[attention.index]
+    shapes = [tuple(w.shape) for w in attention.layer.weights]
+    if type(layer) is not type(attention.layer) or [tuple(w.shape) for w in layer.weights] != shapes:
+        raise RuntimeError(f"permute(): the copy of {attention.name!r} was not found in the copy "
+                           "of the model.")
     value_dim = len(perms[0])
     index = np.concatenate([h * value_dim + perm for h, perm in enumerate(perms)])
     for variable, first in ((layer.value_dense.kernel, 1), (layer.value_dense.bias, 0),
@@ -1308,7 +1342,9 @@ def permute(
     layers = [(_layer_at(model, s) or s) if isinstance(s, str) and "/" in s else s
               for s in _selector_list(layers)]
     selectors = _check_selectors(model, layers, "layers")
-    names = {*graph.ops, *(path.rsplit("/", 1)[-1] for path in graph.ops)}
+    attention_names = [a.name for a in _attention_layers(graph)[0]]
+    names = {*graph.ops, *attention_names, *(p.rsplit("/", 1)[-1] for p in [*graph.ops,
+                                                                             *attention_names])}
     if inner := [s for s in selectors if isinstance(s, str) and s not in names]:
         raise ValueError(
             f"layers: {inner} sit inside a nested model or layer of model {model.name!r} that "
@@ -1337,11 +1373,12 @@ def permute(
         bar.update()
     for plan in head_plans:
         perms = [search(rows) for rows in plan.rows]
-        _apply_heads(copy, plan.name, perms)
+        _apply_heads(copy, plan.attention, perms)
+        name = plan.attention.name
         reports.append(PermutationReport(
-            plan.name, (plan.name,), len(perms[0]), True, "",
+            name, (name,), len(perms[0]), True, "",
             sum(map(kept_magnitude, plan.rows)), sum(map(kept_magnitude, plan.rows, perms)),
-            _efficacy(plan.rows, perms), (plan.name,), heads=len(perms)))
+            _efficacy(plan.rows, perms), (name,), heads=len(perms)))
         bar.update()
     bar.close()
     if print_fn is not None:
