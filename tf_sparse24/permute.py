@@ -1281,8 +1281,10 @@ def permute(
 ) -> tuple:
     """Returns a copy of `model` with input channels reordered to keep more magnitude under 2:4.
 
-    For each channel space (a set of channels that Dense/ConvND or SeparableConv "producers" write
-    and Dense/ConvND or SeparableConv (depth_multiplier 1) "consumers" read, through activations,
+    For each channel space (a set of channels that "producers" write: Dense/ConvND, SeparableConv,
+    EinsumDense, MultiHeadAttention (its output projection) and Embedding tables; and that
+    "consumers" read: Dense/ConvND, SeparableConv (depth_multiplier 1), EinsumDense and
+    MultiHeadAttention (its query, key and value projections, per call argument), through activations,
     dropout, pooling, reshapes that keep the last axis, BatchNormalization, LayerNormalization,
     depthwise convolutions with depth_multiplier 1 (DepthwiseConv, or ConvND with groups equal to
     its channels), elementwise merges such as residual adds and squeeze-excite products, which join
@@ -1292,9 +1294,13 @@ def permute(
     consumers' kernels together (`search_permutation`) and applies it to the consumers' kernel input
     axis (and depthwise filters), every producer's (pointwise) kernel output axis and bias, and
     every per-channel weight in between, each at its offset. A layer with no rule here whose weights
-    are all `[C]` vectors (ConvNeXt's LayerScale, a user's `x * gamma`) is tried: a copy of it is
-    run on random inputs with and without its channels reordered, and it is followed if it acts
-    channel by channel. A nested model (Sequential or Functional: a keras.applications base model in
+    all have C entries along their last axis (ConvNeXt's LayerScale, a user's `x * gamma`, a learned
+    position table added in) is tried: a copy of it is run on random inputs with and without its
+    channels reordered, and it is followed if it acts channel by channel. So a transformer's
+    residual stream is one space, from the embedding table to the classifier. Inside every
+    MultiHeadAttention layer (also those inside custom layers, such as a transformer block layer)
+    each head's value channels are reordered on their own, for its output projection's 2:4 groups
+    (a report with `heads` > 0). A nested model (Sequential or Functional: a keras.applications base model in
     a transfer-learning model) called once on one tensor is followed through as its own graph (its
     layers reported as 'outer/inner'). The copy of the model (made as `tf_sparse24.prune` makes its
     copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
@@ -1308,7 +1314,8 @@ def permute(
     `keras.ops.flip`) or has a per-channel constant (`x + np.arange(16)`), any other layer not found
     to commute with a channel permutation; quantized or LoRA-enabled layers; channel counts that are
     not a multiple of 4 or above `max_channels`, and slices of a concatenation that start at an
-    input channel that is not a multiple of 4.
+    input channel that is not a multiple of 4; an input that no kernel of its layer reads (an
+    attention mask); value heads whose value_dim is not a multiple of 4.
 
     Args:
         model: a built Functional or Sequential keras.Model.
