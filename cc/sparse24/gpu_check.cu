@@ -24,6 +24,7 @@
 #include <cstring>
 #include <ctime>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -582,8 +583,10 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   // The weights it caches (p, more) live to the end of this function, so no later Problem gets a
   // cached weight's addresses (that would be a cache hit). Declared first: destroyed last, while
   // the caller's stream, on which its buffers are freed, still exists.
+  const size_t capacity = 8;  // weights; the byte limit is checked on its own below
   gpu::SparseMatMul mm([&](const std::string&, const std::string& m) { logs.push_back(m); },
-                       /*trust_weight_address=*/false);
+                       /*trust_weight_address=*/false,
+                       gpu::CacheLimits{capacity, std::numeric_limits<size_t>::max()});
   Buf y(M * N * esize(t));
   auto check_y = [&](const Problem& p, int64_t rows, const std::string& what) {
     CUDA_OK(cudaStreamSynchronize(stream));
@@ -666,7 +669,6 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   }
   // More weights than the cache holds, p used again just before the last one: least recently
   // used goes (more[0]), not first inserted (p).
-  const size_t capacity = gpu::SparseMatMul::kMaxCachedWeights;
   for (size_t i = 0; i < capacity; ++i) {
     more.push_back(fresh());
     if (i + 1 == capacity) call(*p, "cached call between new weights");
@@ -681,6 +683,26 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   if (!lt) {  // few rows: the plain kernel on the stored format, beside the cache
     call(*p, "fallback, plain kernel", true, gpu::SparseMatMul::kPlainMaxRows);
     stats_are(capacity, inserted + 1, "fallback, plain kernel");
+  }
+  // A byte limit of two and a half weights keeps two, the least recently used going first: p,
+  // other, more[1] leave other and more[1]; p again is prepared again and leaves more[1] and p.
+  const size_t per_weight = mm.stats().cached_bytes / capacity;
+  {
+    gpu::SparseMatMul small([](const std::string&, const std::string&) {}, false,
+                            gpu::CacheLimits{capacity, per_weight * 5 / 2});
+    for (Problem* q : {p.get(), other.get(), more[1].get(), p.get()}) {
+      CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
+      const gpu::MatMulArgs args{t, q->x.p, q->values.p, q->meta.get<uint8_t>(), M, K, N, y.p};
+      const gpu::Status status = small.run(args, alloc, stream);
+      verdict(status.ok(), "SparseMatMul under a byte limit: " + status.message + ", " + shape);
+      check_y(*q, M, "under a byte limit");
+    }
+    const gpu::SparseMatMul::Stats s = small.stats();
+    verdict(per_weight > 0 && s.cached_weights == 2 && s.cached_bytes == 2 * per_weight &&
+                s.compressions + s.decompressions == 4,
+            fmt("SparseMatMul under a byte limit of %zu: %zu cached, %zu bytes, %d prepared "
+                "(want 2, %zu, 4), ", per_weight * 5 / 2, s.cached_weights, s.cached_bytes,
+                s.compressions + s.decompressions, 2 * per_weight) + shape);
   }
   // Invalid meta on a new weight (row n=N-1, group g=1): named, before any result.
   const uint8_t invalid = 0x5e;  // byte 0: group 0 at positions (2, 3), group 1 at (1, 1)

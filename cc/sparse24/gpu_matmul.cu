@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <utility>
@@ -125,6 +126,15 @@ bool trust_weight_address_from_env() {
   return v != nullptr && std::string(v) == "1";
 }
 
+CacheLimits CacheLimits::from_env() {
+  CacheLimits limits;
+  const char* v = std::getenv("TF_SPARSE24_GPU_CACHE_MB");
+  char* end = nullptr;
+  const unsigned long long mib = v != nullptr ? std::strtoull(v, &end, 10) : 0;
+  if (mib > 0 && end != nullptr && *end == '\0') limits.bytes = static_cast<size_t>(mib) << 20;
+  return limits;
+}
+
 // One cached weight in its form (cuSPARSELt's operand, or the dense W for cuBLAS), and what
 // verifies it on later calls without a host round trip: each call fingerprints values+meta into
 // `check` on the device; a kernel after the matmul recomputes y if that differs from
@@ -147,6 +157,7 @@ struct SparseMatMul::CachedWeight {
   const void* meta = nullptr;
   int64_t k = 0, n = 0;
   uint64_t fingerprint = 0;
+  size_t bytes = 0;         // of `compressed` or `dense`, counted against the cache's limit
   DeviceBuffer compressed;  // kLtOperand: cuSPARSELt's operand
   std::unique_ptr<LtSparseOperand> operand;
   DeviceBuffer dense;                   // kDense: W [K, N], row-major
@@ -156,15 +167,20 @@ struct SparseMatMul::CachedWeight {
   bool seen_pending = false;
 };
 
-SparseMatMul::SparseMatMul(Logger log, bool trust_weight_address)
-    : log_(std::move(log)), trust_(trust_weight_address) {}
+SparseMatMul::SparseMatMul(Logger log, bool trust_weight_address, CacheLimits limits)
+    : log_(std::move(log)), trust_(trust_weight_address), limits_(limits) {}
 
 SparseMatMul::~SparseMatMul() = default;
 
 SparseMatMul::Stats SparseMatMul::stats() {
   std::lock_guard<std::mutex> lock(mu_);
-  return {weights_.size(), compressions_, decompressions_, plain_calls_.load(),
+  return {weights_.size(), cached_bytes_, compressions_, decompressions_, plain_calls_.load(),
           dense_calls_.load()};
+}
+
+void SparseMatMul::drop(std::list<CachedWeight>::iterator weight) {
+  cached_bytes_ -= weight->bytes;
+  weights_.erase(weight);
 }
 
 Status SparseMatMul::run(const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream) {
@@ -225,7 +241,8 @@ Status SparseMatMul::run_dense(const MatMulArgs& a, const Allocator& alloc, cuda
   std::lock_guard<std::mutex> lock(mu_);
   bool no_room = false;  // only the dense weight's allocation failing sends y to the plain kernel
   const MakeForm make = [&](CachedWeight* w) -> Status {
-    const Status allocated = allocate(alloc, a.k * a.n * dtype_size(a.dtype), &w->dense);
+    w->bytes = a.k * a.n * dtype_size(a.dtype);
+    const Status allocated = allocate(alloc, w->bytes, &w->dense);
     if (!allocated.ok()) {
       no_room = true;
       *why_not = "no memory for the decompressed weight: " + allocated.message;
@@ -244,7 +261,8 @@ Status SparseMatMul::run_dense(const MatMulArgs& a, const Allocator& alloc, cuda
   S24_RETURN_IF_ERROR(status);
   *why_not = dense_gemm(a.dtype, a.x, weight->dense.get(), a.m, a.k, a.n, a.y, stream);
   if (!why_not->empty()) {  // cuBLAS queued nothing: drop the copy it cannot use
-    weights_.remove_if([&](const CachedWeight& w) { return &w == weight; });
+    drop(std::find_if(weights_.begin(), weights_.end(),
+                      [&](const CachedWeight& w) { return &w == weight; }));
     return {};
   }
   *ran = true;
@@ -276,7 +294,7 @@ Status SparseMatMul::cached(Form form, const MatMulArgs& a, const Allocator& all
       S24_RETURN_IF_ERROR(cuda_status(state, "checking a cached weight"));
       it->seen_pending = false;
       if (*it->seen != it->fingerprint) {  // changed in place since it was cached
-        weights_.erase(it);
+        drop(it);
         it = weights_.end();
       }
     }
@@ -317,7 +335,11 @@ Status SparseMatMul::cached(Form form, const MatMulArgs& a, const Allocator& all
                                                            cudaEventDisableTiming),
                                   "creating a fingerprint event"));
   weights_.splice(weights_.begin(), fresh);
-  if (weights_.size() > kMaxCachedWeights) weights_.pop_back();
+  cached_bytes_ += entry.bytes;
+  while (weights_.size() > 1 &&
+         (weights_.size() > limits_.weights || cached_bytes_ > limits_.bytes)) {
+    drop(std::prev(weights_.end()));  // least recently used
+  }
   *out = &weights_.front();
   return {};
 }
@@ -371,7 +393,8 @@ Status SparseMatMul::run_lt(const MatMulArgs& a, const Allocator& alloc, cudaStr
     DeviceBuffer wt, scratch;
     S24_RETURN_IF_ERROR(allocate(alloc, a.n * a.k * dtype_size(a.dtype), &wt));
     S24_RETURN_IF_ERROR(allocate(alloc, lt_operand->scratch_bytes(), &scratch));
-    S24_RETURN_IF_ERROR(allocate(alloc, lt_operand->compressed_bytes(), &w->compressed));
+    w->bytes = lt_operand->compressed_bytes();
+    S24_RETURN_IF_ERROR(allocate(alloc, w->bytes, &w->compressed));
     S24_RETURN_IF_ERROR(cuda_status(decompress(a.dtype, a.values, a.meta, a.k, a.n,
                                                /*transposed=*/true, wt.get(), stream),
                                     "expanding the weight for cuSPARSELt"));

@@ -83,17 +83,29 @@ struct MatMulArgs {
 // TF_SPARSE24_GPU_TRUST_WEIGHT_ADDRESS=1: see SparseMatMul.
 bool trust_weight_address_from_env();
 
-// Sparse24MatMul's GPU state: cuSPARSELt plans and up to kMaxCachedWeights cached weights (either
-// form), most recently used kept. Thread-safe (one mutex); one per TF kernel instance.
+// How many prepared weights one SparseMatMul keeps, and how many bytes of them (cuSPARSELt
+// operands and decompressed weights, from the caller's allocator), least recently used dropped
+// first; the weight just prepared always stays. The count is high because in eager mode
+// TensorFlow runs every layer's Sparse24MatMul of one dtype through one kernel instance: a whole
+// model's weights share one cache.
+struct CacheLimits {
+  size_t weights = 1024;
+  size_t bytes = size_t{2048} << 20;
+  // The defaults, with `bytes` from TF_SPARSE24_GPU_CACHE_MB when set (MiB, > 0).
+  static CacheLimits from_env();
+};
+
+// Sparse24MatMul's GPU state: cuSPARSELt plans and cached weights (either form) within `limits`,
+// most recently used kept. Thread-safe (one mutex); one per TF kernel instance.
 class SparseMatMul {
  public:
-  static constexpr size_t kMaxCachedWeights = 8;
   static constexpr size_t kMaxPlans = 64;  // one per (device, dtype, padded M, K, N)
 
   // trust_weight_address: a weight seen before at the same buffers is trusted unchanged (no
   // per-call fingerprint): only for weights that never change in place and are never freed while
   // in use (served constants).
-  SparseMatMul(Logger log, bool trust_weight_address);
+  SparseMatMul(Logger log, bool trust_weight_address,
+               CacheLimits limits = CacheLimits::from_env());
   ~SparseMatMul();
   SparseMatMul(const SparseMatMul&) = delete;
   SparseMatMul& operator=(const SparseMatMul&) = delete;
@@ -111,6 +123,7 @@ class SparseMatMul {
 
   struct Stats {
     size_t cached_weights = 0;
+    size_t cached_bytes = 0;  // their buffers (cuSPARSELt operands, decompressed weights)
     int compressions = 0;    // weights (re)compressed into cuSPARSELt's operand
     int decompressions = 0;  // weights (re)decompressed into the cuBLAS fallback's dense copy
     int plain_calls = 0;     // fallback calls run by the plain kernel
@@ -133,11 +146,14 @@ class SparseMatMul {
   Status cached(Form form, const MatMulArgs& a, const Allocator& alloc, cudaStream_t stream,
                 const MakeForm& make, CachedWeight** out, bool* verify);
   Status queue_repair(CachedWeight* weight, const MatMulArgs& a, cudaStream_t stream);
+  void drop(std::list<CachedWeight>::iterator weight);  // holds mu_
 
   Logger log_;
   bool trust_;
+  CacheLimits limits_;
   std::mutex mu_;
   std::list<CachedWeight> weights_;  // most recently used first
+  size_t cached_bytes_ = 0;
   std::map<PlanKey, std::unique_ptr<LtMatmulPlan>> plans_;
   std::set<PlanKey> refused_;
   int compressions_ = 0, decompressions_ = 0;
