@@ -1206,3 +1206,99 @@ def test_permute_reorders_value_heads_of_attention_inside_custom_layers():
     _, reports = permute(model, kicks=2, progress=False)
     assert sorted(r.producer for r in reports if r.heads and r.permuted) == sorted(
         [f"block/{inner}", f"other/{model.get_layer('other').attention.name}"])
+
+
+class _NamelessTable(keras.layers.Layer):
+    """A learned position table added in, whose get_config() leaves out the layer's name (so its
+    copy is named anew): permute() must still find the copy to reorder its table."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=tuple(shape[1:]), initializer="random_normal")
+
+    def get_config(self):
+        return {}
+
+    def call(self, x):
+        return x + self.table
+
+
+class _NamelessBlock(_EncoderBlock):
+    def get_config(self):
+        return {"heads": self.heads, "key_dim": self.key_dim}
+
+
+def test_permute_finds_the_copies_of_layers_whose_config_has_no_name():
+    tokens = keras.Input((6,), dtype="int32")
+    x = _NamelessTable(name="pos")(keras.layers.Embedding(20, 16, name="embed")(tokens))
+    x = _NamelessBlock(name="block")(keras.layers.Dense(16, name="d0")(x))
+    model = keras.Model(tokens, keras.layers.Dense(4, name="d1")(keras.layers.Dense(16)(x)))
+    _randomize(model, seed=52)
+    data = np.random.default_rng(53).integers(0, 20, (4, 6))
+
+    for _ in range(2):  # the second copy's automatic names differ from the first's
+        permuted, reports = permute(model, kicks=1, progress=False)
+
+        _assert_same_function(model, permuted, data)
+        assert {r.producers: r for r in reports}[("embed",)].permuted  # through 'pos' to d0
+        assert [r.permuted for r in reports if r.heads] == [True]  # inside 'block'
+        assert not np.array_equal(permuted.layers[2].table.numpy(),
+                                  model.get_layer("pos").table.numpy())
+
+
+class Embedding(keras.layers.Embedding):  # a user's class named like Keras' own
+    """Adds a fixed per-channel pattern to the lookup: not a plain table."""
+
+    def call(self, ids):
+        return super().call(ids) + np.arange(self.output_dim, dtype="float32") / 4.0
+
+
+class MultiHeadAttention(keras.layers.Layer):
+    """A tutorial-style attention layer with the Keras class's name and none of its attributes."""
+
+    def __init__(self, width=16, **kwargs):
+        super().__init__(**kwargs)
+        self.width = width
+        self.wq, self.wv = keras.layers.Dense(width), keras.layers.Dense(width)
+
+    def get_config(self):
+        return {**super().get_config(), "width": self.width}
+
+    def build(self, query_shape, value_shape):
+        self.wq.build(query_shape)
+        self.wv.build(value_shape)
+
+    def call(self, query, value):
+        scores = keras.ops.softmax(keras.ops.einsum("btc,bsc->bts", self.wq(query), value))
+        return keras.ops.einsum("bts,bsc->btc", scores, self.wv(value))
+
+
+def test_permute_applies_keras_rules_to_keras_classes_only():
+    # User classes named Embedding and MultiHeadAttention are neither producers nor consumers:
+    # the Embedding subclass adds a per-channel pattern, the attention has other weights.
+    tokens = keras.Input((6,), dtype="int32")
+    x = keras.layers.Dense(16, name="d0")(Embedding(20, 16, name="embed")(tokens))
+    x = MultiHeadAttention(name="mha")(x, x)
+    model = keras.Model(tokens, keras.layers.Dense(4)(keras.layers.Dense(16, name="d1")(x)))
+    _randomize(model, seed=54)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, np.random.default_rng(55).integers(0, 20, (4, 6)))
+    report_of = {c: r for r in reports for c in r.consumers}
+    assert "'embed' (Embedding), which cannot be permuted" in report_of["d0"].reason
+    assert "'mha' (MultiHeadAttention), which combines several inputs" in report_of["d1"].reason
+    assert not any(r.heads for r in reports)
+
+
+def test_permute_layers_selects_attention_heads_inside_a_selected_layer():
+    inputs = keras.Input((5, 16))
+    x = _EncoderBlock(name="other")(_EncoderBlock(name="block")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+    _randomize(model, seed=56)
+    inner = model.get_layer("block").attention.name
+
+    for selector in ("block", f"block/{inner}", _EncoderBlock):
+        _, reports = permute(model, kicks=1, progress=False, layers=selector)
+        heads = sorted(r.producer for r in reports if r.heads)
+        assert heads == (sorted([f"block/{inner}", f"other/{model.get_layer('other').attention.name}"])
+                         if selector is _EncoderBlock else [f"block/{inner}"]), selector

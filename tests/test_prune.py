@@ -1028,3 +1028,16 @@ def test_a_functional_subclass_copy_warns_that_its_class_is_lost_and_the_recipe_
     with warnings.catch_warnings():  # a plain Functional model: nothing to warn about
         warnings.simplefilter("error")
         ts.prune(keras.Model(model.input, model.output))
+
+
+def test_a_layer_quantized_inside_its_owner_is_a_clear_copy_error():
+    # model.quantize() quantizes MultiHeadAttention's projections, not the layer's own config:
+    # its copy from config cannot take the int8 variables. Both entry points name the layers.
+    inputs = keras.Input((5, 16))
+    x = keras.layers.MultiHeadAttention(2, 8, name="mha")(inputs, inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4)(x))
+    model.get_layer("mha").output_dense.quantize("int8")
+    for copy in (ts.prune, ts.permute):
+        with pytest.raises(TypeError, match=r"Cannot copy layer 'mha' \(MultiHeadAttention\).*"
+                                            r"\['attention_output'\] inside it are quantized"):
+            copy(model)

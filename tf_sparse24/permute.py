@@ -653,6 +653,14 @@ def _inlinable_graph(op, calls: list[list[str]], top: set[int]) -> _Graph | None
     return sub
 
 
+def _keras_kind(op) -> str:
+    """The class name of `op` if its class is Keras' own (`Dense`, the keras op `Add`), else '':
+    a user's class, even one named like a Keras class or derived from one, may compute anything,
+    so the rules here never apply to it (it may still pass the trial run, `_probe`)."""
+    cls = type(op)
+    return cls.__name__ if cls.__module__.startswith("keras.") else ""
+
+
 def _describe(name: str, op) -> str:
     """`'name' (Class)`, or `'name' (keras op Class)` for an operation that is not a layer; `name`
     is the graph's ('outer/inner' inside an inlined model)."""
@@ -723,7 +731,7 @@ def _reads(layer) -> dict[str, list[_Axis]]:
     pointwise kernel, then its depthwise filters. EinsumDense: the kernel axis contracted with the
     input's last axis. MultiHeadAttention: that axis of its query, key and value projections.
     """
-    kind = type(layer).__name__
+    kind = _keras_kind(layer)
     if (not getattr(layer, "built", False)
             or getattr(layer, "data_format", "channels_last") != "channels_last"):
         return {}
@@ -750,7 +758,7 @@ def _writes(layer) -> list[_Axis]:
     the bias. EinsumDense: the kernel axis (and bias axis) of the output's last axis.
     MultiHeadAttention: those of its output projection. Embedding: the table's last axis.
     """
-    kind = type(layer).__name__
+    kind = _keras_kind(layer)
     if (not getattr(layer, "built", False)
             or getattr(layer, "data_format", "channels_last") != "channels_last"):
         return []
@@ -796,7 +804,7 @@ def _argument_reads(graph: _Graph, name: str) -> list[tuple[str, ...]]:
     roles = _roles(graph, name) if reads else []
     if not roles:
         return [()] * len(sources)
-    if type(op).__name__ == "MultiHeadAttention" and "key" not in roles:
+    if _keras_kind(op) == "MultiHeadAttention" and "key" not in roles:
         return [("value", "key") if role == "value" else (role,) if role in reads else ()
                 for role in roles]
     return [(role,) if role in reads else () for role in roles]
@@ -805,13 +813,13 @@ def _argument_reads(graph: _Graph, name: str) -> list[tuple[str, ...]]:
 def _grouped_depthwise(layer) -> bool:
     """Whether `layer` is a ConvND with one group per channel (ConvNeXt's depthwise convolution:
     `Conv2D(C, 7, groups=C)`, kernel [..., 1, C]): per channel, like DepthwiseConv."""
-    return (type(layer).__name__ in _KERNEL_LAYERS - {"Dense"} and layer.built
+    return (_keras_kind(layer) in _KERNEL_LAYERS - {"Dense"} and layer.built
             and layer.groups > 1 and layer.groups == layer.filters == layer.input.shape[-1])
 
 
 def _passes(layer) -> bool:
     """Whether an unshared `layer` commutes with a permutation of its input's last axis."""
-    kind = type(layer).__name__
+    kind = _keras_kind(layer)
     if not isinstance(layer, keras.layers.Layer):
         return False
     if getattr(layer, "data_format", "channels_last") != "channels_last":
@@ -857,7 +865,7 @@ def _elementwise_op(graph: _Graph, name: str) -> bool:
     """Whether keras op `name` computes each channel from the same channel of its tensor inputs
     alone (see `_ELEMENTWISE_OPS`)."""
     op = graph.ops[name]
-    kind = type(op).__name__
+    kind = _keras_kind(op)
     if isinstance(op, keras.layers.Layer) or kind not in {*_ELEMENTWISE_OPS, *_CHANNEL_SOFTMAX_OPS}:
         return False
     attributes = {k: v for k, v in vars(op).items() if not k.startswith("_") and k != "name"}
@@ -883,7 +891,7 @@ def _carrying(graph: _Graph, name: str) -> list[int]:
     channels, widths = _output_channels(op), graph.widths.get(name, [])
     if channels is None or not widths or any(w not in (channels, 1) for w in widths):
         return []
-    merges = isinstance(op, keras.layers.Layer) and type(op).__name__ in _MERGE
+    merges = isinstance(op, keras.layers.Layer) and _keras_kind(op) in _MERGE
     if merges or _elementwise_op(graph, name):
         return [i for i, w in enumerate(widths) if w == channels]
     if all(w == channels for w in widths) and _probe(graph, name):
@@ -961,7 +969,7 @@ def _segments(graph: _Graph, name: str) -> list[int]:
     (a Concatenate layer or `keras.ops.concatenate`), and its width last (`[0, w0, w0 + w1,
     ...]`); empty for anything else."""
     op = graph.ops[name]
-    if type(op).__name__ != "Concatenate":
+    if _keras_kind(op) != "Concatenate":
         return []
     widths = graph.widths.get(name, [])
     if op.axis not in (-1, len(op.output.shape) - 1) or not widths or None in widths:
@@ -1184,7 +1192,6 @@ class _Attention(NamedTuple):
 
     name: str  # in reports: its graph name, or 'holder/attention' inside a layer
     holder: str  # graph name of the layer that holds it (itself at the top)
-    index: int | None  # its position in walk_layers(holder); None: the holder itself
     layer: keras.layers.Layer
 
 
@@ -1204,11 +1211,11 @@ def _attention_layers(graph: _Graph) -> tuple[list[_Attention], set[int]]:
     for name, op in graph.ops.items():
         if not isinstance(op, keras.layers.Layer):
             continue
-        inside = [(f"{name}/{sub.name}", i, sub) for i, sub in enumerate(walk_layers(op))]
-        for label, index, layer in [(name, None, op), *inside]:
-            if type(layer).__name__ == "MultiHeadAttention":
+        inside = [(f"{name}/{sub.name}", sub) for sub in walk_layers(op)]
+        for label, layer in [(name, op), *inside]:
+            if _keras_kind(layer) == "MultiHeadAttention":
                 count[id(layer)] += 1
-                found.setdefault(id(layer), _Attention(label, name, index, layer))
+                found.setdefault(id(layer), _Attention(label, name, layer))
     return list(found.values()), {i for i, n in count.items() if n > 1}
 
 
@@ -1220,9 +1227,12 @@ def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[P
     on their own, whatever the layer's inputs and outputs are (it may be called several times)."""
     plans, reports = [], []
     attention_layers, repeated = _attention_layers(graph)
+    covered = {id(sub) for op in graph.ops.values() if isinstance(op, keras.layers.Layer)
+               for layer in (op, *walk_layers(op)) if _matches(layer, selectors)
+               for sub in (layer, *walk_layers(layer))}  # a selected layer covers those inside
     for attention in attention_layers:
         name, op = attention.name, attention.layer
-        if not op.built or (selectors and not _matches(op, selectors)):
+        if not op.built or (selectors and id(op) not in covered):
             continue
         heads, value_dim = op.num_heads, op.value_dense.kernel.shape[-1]
         reason = _frozen(name, op)
@@ -1247,16 +1257,10 @@ def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[P
     return plans, reports
 
 
-def _apply_heads(model: keras.Model, attention: _Attention, perms: list[np.ndarray]) -> None:
-    """Reorders each head's value channels in `model`'s copy of `attention`: the value
-    projection's kernel and bias along Dv, the output projection's kernel along its Dv axis."""
-    layer = _layer_at(model, attention.holder)
-    if attention.index is not None:
-        layer = walk_layers(layer)[attention.index]
-    shapes = [tuple(w.shape) for w in attention.layer.weights]
-    if type(layer) is not type(attention.layer) or [tuple(w.shape) for w in layer.weights] != shapes:
-        raise RuntimeError(f"permute(): the copy of {attention.name!r} was not found in the copy "
-                           "of the model.")
+def _apply_heads(copies: dict, attention: _Attention, perms: list[np.ndarray]) -> None:
+    """Reorders each head's value channels in the copy of `attention`: the value projection's
+    kernel and bias along Dv, the output projection's kernel along its Dv axis."""
+    layer = _copy_of(copies, attention.name, attention.layer)
     value_dim = len(perms[0])
     index = np.concatenate([h * value_dim + perm for h, perm in enumerate(perms)])
     for variable, first in ((layer.value_dense.kernel, 1), (layer.value_dense.bias, 0),
@@ -1345,13 +1349,13 @@ def permute(
     """
     _check_model(model, "permute")
     graph = _graph(model)
-    # Names from a report ('outer/inner', inside an inlined model) select that layer.
-    layers = [(_layer_at(model, s) or s) if isinstance(s, str) and "/" in s else s
+    # Names from a report ('outer/inner': inside an inlined model, or an attention layer inside
+    # another layer) select that layer.
+    paths = {**graph.ops, **{a.name: a.layer for a in _attention_layers(graph)[0]}}
+    layers = [paths.get(s, s) if isinstance(s, str) and "/" in s else s
               for s in _selector_list(layers)]
     selectors = _check_selectors(model, layers, "layers")
-    attention_names = [a.name for a in _attention_layers(graph)[0]]
-    names = {*graph.ops, *attention_names, *(p.rsplit("/", 1)[-1] for p in [*graph.ops,
-                                                                             *attention_names])}
+    names = {*paths, *(path.rsplit("/", 1)[-1] for path in paths)}
     if inner := [s for s in selectors if isinstance(s, str) and s not in names]:
         raise ValueError(
             f"layers: {inner} sit inside a nested model or layer of model {model.name!r} that "
@@ -1362,7 +1366,7 @@ def permute(
     plans, reports = _plan(graph, selectors, max_channels)
     head_plans, head_reports = _head_plans(graph, selectors)
     reports += head_reports
-    copy = clone_graph(model, _copy_layer, "permute")
+    copy, copies = _copy_model(model)
     bar = tqdm(total=len(plans) + len(head_plans), desc="channel permutations", unit="space",
                leave=False, disable=not (progress and (plans or head_plans)))
 
@@ -1372,7 +1376,7 @@ def permute(
 
     for plan in plans:
         perm = search(plan.rows)
-        _apply(copy, plan.space, perm)
+        _apply(graph, copies, plan.space, perm)
         reports.append(PermutationReport(
             next(iter(plan.space.producers)), tuple(plan.space.consumers), len(perm), True, "",
             kept_magnitude(plan.rows), kept_magnitude(plan.rows, perm),
@@ -1380,7 +1384,7 @@ def permute(
         bar.update()
     for plan in head_plans:
         perms = [search(rows) for rows in plan.rows]
-        _apply_heads(copy, plan.attention, perms)
+        _apply_heads(copies, plan.attention, perms)
         name = plan.attention.name
         reports.append(PermutationReport(
             name, (name,), len(perms[0]), True, "",
@@ -1400,9 +1404,48 @@ def permute(
     return copy, reports
 
 
-def _apply(model: keras.Model, space: _Space, perm: np.ndarray) -> None:
-    """Permutes, at each layer's offset, the producers' output channels, the per-channel weights in
-    between and the consumers' input channels (a layer can be both: `x + conv(x)`)."""
+def _copy_model(model: keras.Model) -> tuple[keras.Model, dict[int, keras.Operation]]:
+    """A copy of `model` made as `prune` makes its copies, and the copy of each of its layers and
+    keras ops by the original's id, the layers inside copied custom layers included (matched in
+    `walk_layers` order): names cannot find them, since a copy made from a config that leaves
+    out the name gets a new one."""
+    pairs = []
+
+    def copy_layer(layer):
+        new = _copy_layer(layer)
+        pairs.append((layer, new))
+        return new
+
+    copy = clone_graph(model, copy_layer, "permute")
+    copies = {}
+    for old, new in pairs:
+        copies[id(old)] = new
+        if isinstance(old, keras.layers.Layer) and new is not old:
+            for old_sub, new_sub in zip(walk_layers(old), walk_layers(new)):
+                copies.setdefault(id(old_sub), new_sub)
+    return copy, copies
+
+
+def _copy_of(copies: dict, name: str, op: keras.Operation) -> keras.Operation:
+    """The copy of `op` (graph name `name`).
+
+    Raises:
+        RuntimeError: if it has none, or one of another class or with other weight shapes (the
+            caller's model is unchanged; permuting only part of the copy would change its function).
+    """
+    new = copies.get(id(op))
+    shapes = [tuple(w.shape) for w in getattr(op, "weights", [])]
+    if new is None or type(new) is not type(op) or [
+            tuple(w.shape) for w in getattr(new, "weights", [])] != shapes:
+        raise RuntimeError(f"permute(): {_describe(name, op)} has no matching copy in the copied "
+                           "model; nothing was returned.")
+    return new
+
+
+def _apply(graph: _Graph, copies: dict, space: _Space, perm: np.ndarray) -> None:
+    """Permutes, in the copies, at each layer's offset, the producers' output channels, the
+    per-channel weights in between and the consumers' input channels (a layer can be both:
+    `x + conv(x)`)."""
 
     def take(variable, axis: int, offset: int) -> None:
         values = variable.numpy()
@@ -1410,29 +1453,22 @@ def _apply(model: keras.Model, space: _Space, perm: np.ndarray) -> None:
         index[offset:offset + len(perm)] = offset + perm
         variable.assign(np.take(values, index, axis=axis))
 
+    def copy_of(name: str) -> keras.Operation:
+        return _copy_of(copies, name, graph.ops[name])
+
     for name, offset in space.producers.items():
-        for variable, axis in _writes(_layer_at(model, name)):
+        for variable, axis in _writes(copy_of(name)):
             take(variable, axis, offset)
     for name, offset in space.through.items():
         # BatchNormalization/LayerNormalization: [C]; probed layers: [..., C]; depthwise: kernel
-        # [..., C, 1], bias [C]; grouped depthwise ConvND: kernel [..., 1, C], bias [C].
-        layer = _layer_at(model, name)  # None for a keras op: no weights
+        # [..., C, 1], bias [C]; grouped depthwise ConvND: kernel [..., 1, C], bias [C]; keras ops
+        # have no weights.
+        layer = copy_of(name) if isinstance(graph.ops[name], keras.layers.Layer) else None
         for variable in layer.weights if layer is not None else []:
-            depthwise = type(layer).__name__ in _DEPTHWISE and variable.ndim > 1
+            depthwise = _keras_kind(layer) in _DEPTHWISE and variable.ndim > 1
             take(variable, variable.ndim - 2 if depthwise else variable.ndim - 1, offset)
     for name, offset in space.consumers.items():
-        axes = _reads(_layer_at(model, name))
+        axes = _reads(copy_of(name))
         for role in space.reads[name]:
             for variable, axis in axes[role]:
                 take(variable, axis, offset)
-
-
-def _layer_at(model: keras.Model, path: str) -> keras.layers.Layer | None:
-    """The layer a graph name stands for ('outer/inner' inside an inlined Sequential); None for a
-    keras op."""
-    layer = model
-    for part in path.split("/"):
-        layer = {sub.name: sub for sub in layer.layers}.get(part)
-        if layer is None:
-            return None
-    return layer

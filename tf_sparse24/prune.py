@@ -22,7 +22,13 @@ import keras
 import numpy as np
 
 from tf_sparse24.masks import compute_mask, is_nm_sparse, parse_pattern
-from tf_sparse24.registry import eligible_weights, own_variables, relative_variables, scan_layer
+from tf_sparse24.registry import (
+    eligible_weights,
+    own_variables,
+    quantized_layers,
+    relative_variables,
+    scan_layer,
+)
 from tf_sparse24.wrapper import Sparse24
 
 __all__ = [
@@ -257,7 +263,15 @@ def _copy_layer(layer):
                 "would change the original. Its get_config() returns layer objects instead of "
                 "their configs: serialize them (keras.saving.serialize_keras_object) and rebuild "
                 "them in from_config().")
-        _copy_state(layer, new)
+        try:
+            _copy_state(layer, new)
+        except ValueError as err:  # Keras' own variable-count check
+            quantized = [name for name in quantized_layers(layer) if name != layer.name]
+            hint = (f" The layers {quantized} inside it are quantized, which its config does not "
+                    "record: prune or permute the float model, then quantize." if quantized else "")
+            raise TypeError(
+                f"Cannot copy layer {layer.name!r} ({type(layer).__name__}): the copy made from "
+                f"its get_config() does not take its variables ({err}).{hint}") from err
     return new
 
 
