@@ -1316,7 +1316,8 @@ def permute(
     or outputs, a layer with several outputs, a custom activation function (on a producer or an
     Activation layer: it might mix channels), a keras op that is not elementwise (`x[:, :16]`,
     `keras.ops.flip`) or has a per-channel constant (`x + np.arange(16)`), any other layer not found
-    to commute with a channel permutation; quantized or LoRA-enabled layers; channel counts that are
+    to commute with a channel permutation (the rules are for Keras' own classes: a user's class,
+    whatever its name or base class, is only tried); quantized or LoRA-enabled layers; channel counts that are
     not a multiple of 4 or above `max_channels`, and slices of a concatenation that start at an
     input channel that is not a multiple of 4; an input that no kernel of its layer reads (an
     attention mask); value heads whose value_dim is not a multiple of 4.
