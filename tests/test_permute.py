@@ -1302,3 +1302,27 @@ def test_permute_layers_selects_attention_heads_inside_a_selected_layer():
         heads = sorted(r.producer for r in reports if r.heads)
         assert heads == (sorted([f"block/{inner}", f"other/{model.get_layer('other').attention.name}"])
                          if selector is _EncoderBlock else [f"block/{inner}"]), selector
+
+
+@pytest.mark.parametrize("use_gate", [False, True])
+def test_permute_follows_group_query_attention(use_gate):
+    # 4 query heads share 2 value heads: value head j's channels are read at query heads 2j and
+    # 2j + 1 of the output projection (and of the gate, which multiplies them).
+    tokens = keras.Input((6,), dtype="int32")
+    x = keras.layers.Embedding(30, 16, name="embed")(tokens)
+    attended = keras.layers.GroupQueryAttention(8, 4, 2, use_gate=use_gate, name="gqa")(x, x)
+    x = keras.layers.LayerNormalization()(x + attended)
+    x = x + keras.layers.Dense(16, name="ffn2")(keras.layers.Dense(32, name="ffn1")(x))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    model = keras.Model(tokens, keras.layers.Dense(4, name="logits")(x))
+    _randomize(model, seed=57)
+
+    permuted, reports = permute(model, kicks=2, progress=False)
+
+    _assert_same_function(model, permuted, np.random.default_rng(58).integers(0, 30, (4, 6)))
+    stream = {r.producers: r for r in reports}[("embed", "gqa", "ffn2")]
+    assert stream.permuted and stream.consumers == ("gqa", "ffn1", "logits")
+    (heads,) = [r for r in reports if r.heads]
+    assert heads.permuted and heads.heads == 2 and heads.channels == 8 and heads.gain_percent > 0
+    old = model.get_layer("gqa")._value_dense.kernel.numpy()
+    assert not np.array_equal(permuted.get_layer("gqa")._value_dense.kernel.numpy(), old)

@@ -464,9 +464,9 @@ class PermutationReport:
     are the |w| the consumers' kernels keep under 2:4; `efficacy` is ASP's metric in percent (None
     when skipped).
 
-    `heads` > 0 marks the space inside one MultiHeadAttention layer (producer and consumer): the
-    output channels of its value projection, read by its output projection, reordered within each
-    of its `heads` heads (`channels` per head; the figures sum over the heads).
+    `heads` > 0 marks the space inside one attention layer (producer and consumer): the output
+    channels of its value projection, read by its output projection, reordered within each of its
+    `heads` value heads (`channels` per head; the figures sum over the heads).
     """
 
     producer: str | None
@@ -690,6 +690,24 @@ class _Axis(NamedTuple):
 
     variable: keras.Variable
     axis: int
+    grouped: bool = True  # its 2:4 groups run along it: its rows enter the search
+
+
+# Attention layers (Keras' own): projections read the residual stream, value heads are permuted.
+_ATTENTION = {"MultiHeadAttention", "GroupedQueryAttention"}  # keras.layers.GroupQueryAttention
+
+
+def _projections(layer) -> dict:
+    """An attention layer's EinsumDense projections by role: query, key, value, output, and
+    GroupQueryAttention's gate when it has one (that class keeps them in private attributes)."""
+    if _keras_kind(layer) == "MultiHeadAttention":
+        return {"query": layer.query_dense, "key": layer.key_dense, "value": layer.value_dense,
+                "output": layer.output_dense}
+    parts = {"query": layer._query_dense, "key": layer._key_dense, "value": layer._value_dense,
+             "output": layer._output_dense}
+    if layer.use_gate:  # sigmoid(gate(query)) multiplies each head's output, channel by channel
+        parts["gate"] = layer._gate_dense
+    return parts
 
 
 def _einsum_reads(layer) -> _Axis | None:
@@ -724,12 +742,13 @@ def _einsum_writes(layer) -> list[_Axis]:
 
 def _reads(layer) -> dict[str, list[_Axis]]:
     """How `layer` reads each of its inputs' channels, by call argument: the weight axes that
-    run along them, the first being the kernel whose 2:4 groups run along them (the one searched),
-    the others reordered with it; {} if permute() cannot reorder them.
+    run along them (the `grouped` ones, whose 2:4 groups run along them, are searched; the others
+    are reordered with them); {} if permute() cannot reorder them.
 
     Dense/ConvND (channels_last, groups=1): kernel axis -2. SeparableConv (depth_multiplier 1): its
-    pointwise kernel, then its depthwise filters. EinsumDense: the kernel axis contracted with the
-    input's last axis. MultiHeadAttention: that axis of its query, key and value projections.
+    pointwise kernel, and its depthwise filters (not grouped). EinsumDense: the kernel axis
+    contracted with the input's last axis. MultiHeadAttention and GroupQueryAttention: that axis of
+    their query (and gate), key and value projections.
     """
     kind = _keras_kind(layer)
     if (not getattr(layer, "built", False)
@@ -738,15 +757,21 @@ def _reads(layer) -> dict[str, list[_Axis]]:
     if kind in _KERNEL_LAYERS and getattr(layer, "groups", 1) == 1:
         return {"inputs": [_Axis(layer.kernel, layer.kernel.ndim - 2)]}
     if kind in _SEPARABLE and layer.depth_multiplier == 1:
-        kernels = (layer.pointwise_kernel, layer.depthwise_kernel)  # [..., C, out], [..., C, 1]
-        return {"inputs": [_Axis(k, k.ndim - 2) for k in kernels]}
+        pointwise, depthwise = layer.pointwise_kernel, layer.depthwise_kernel  # [..., C, out|1]
+        return {"inputs": [_Axis(pointwise, pointwise.ndim - 2),
+                           _Axis(depthwise, depthwise.ndim - 2, grouped=False)]}
     if kind == "EinsumDense":
         axis = _einsum_reads(layer)
         return {"inputs": [axis]} if axis else {}
-    if kind == "MultiHeadAttention":
-        axes = {role: _einsum_reads(getattr(layer, f"{role}_dense"))
-                for role in ("query", "key", "value")}
-        return {role: [axis] for role, axis in axes.items()} if all(axes.values()) else {}
+    if kind in _ATTENTION:
+        parts = _projections(layer)
+        axes = {role: _einsum_reads(parts[role]) for role in ("query", "key", "value", "gate")
+                if role in parts}
+        if not all(axes.values()):
+            return {}
+        reads = {role: [axes[role]] for role in ("query", "key", "value")}
+        reads["query"] += [axes["gate"]] if "gate" in axes else []
+        return reads
     return {}
 
 
@@ -756,7 +781,8 @@ def _writes(layer) -> list[_Axis]:
 
     Dense/ConvND (channels_last, groups=1) and SeparableConv: the (pointwise) kernel's last axis and
     the bias. EinsumDense: the kernel axis (and bias axis) of the output's last axis.
-    MultiHeadAttention: those of its output projection. Embedding: the table's last axis.
+    MultiHeadAttention and GroupQueryAttention: those of their output projection. Embedding: the
+    table's last axis.
     """
     kind = _keras_kind(layer)
     if (not getattr(layer, "built", False)
@@ -768,8 +794,8 @@ def _writes(layer) -> list[_Axis]:
         return [_Axis(kernel, kernel.ndim - 1), *bias]
     if kind == "EinsumDense":
         return _einsum_writes(layer)
-    if kind == "MultiHeadAttention":
-        return _einsum_writes(layer.output_dense)
+    if kind in _ATTENTION:
+        return _einsum_writes(_projections(layer)["output"])
     if kind == "Embedding":
         return [_Axis(layer.embeddings, 1)]
     return []
@@ -796,7 +822,7 @@ def _roles(graph: _Graph, name: str) -> list[str]:
 
 def _argument_reads(graph: _Graph, name: str) -> list[tuple[str, ...]]:
     """For each input of `name`'s first call, the entries of `_reads` that read it: () for an input
-    no kernel reads (an attention mask); MultiHeadAttention's value is also its key when no key
+    no kernel reads (an attention mask); an attention layer's value is also its key when no key
     is passed."""
     op = graph.ops[name]
     sources = (graph.inputs.get(name) or [[]])[0]
@@ -804,7 +830,7 @@ def _argument_reads(graph: _Graph, name: str) -> list[tuple[str, ...]]:
     roles = _roles(graph, name) if reads else []
     if not roles:
         return [()] * len(sources)
-    if _keras_kind(op) == "MultiHeadAttention" and "key" not in roles:
+    if _keras_kind(op) in _ATTENTION and "key" not in roles:
         return [("value", "key") if role == "value" else (role,) if role in reads else ()
                 for role in roles]
     return [(role,) if role in reads else () for role in roles]
@@ -1140,8 +1166,7 @@ def _channel_rows(graph: _Graph, space: _Space) -> np.ndarray:
     rows = []
     for name, offset in space.consumers.items():
         axes = _reads(graph.ops[name])
-        for role in space.reads[name]:
-            kernel, axis = axes[role][0]
+        for kernel, axis, _ in (a for role in space.reads[name] for a in axes[role] if a.grouped):
             kernel = kernel.numpy()
             if not np.all(np.isfinite(kernel)):
                 raise ValueError(
@@ -1188,7 +1213,7 @@ def _plan(
 
 
 class _Attention(NamedTuple):
-    """A MultiHeadAttention layer of a model's graph, or inside one of its layers."""
+    """An attention layer (`_ATTENTION`) of a model's graph, or inside one of its layers."""
 
     name: str  # in reports: its graph name, or 'holder/attention' inside a layer
     holder: str  # graph name of the layer that holds it (itself at the top)
@@ -1196,15 +1221,15 @@ class _Attention(NamedTuple):
 
 
 class _HeadPlan(NamedTuple):
-    """A MultiHeadAttention layer whose value heads to permute, and its output projection's
-    kernel per head as `[rows, value_dim]`."""
+    """An attention layer whose value heads to permute, and per value head the output
+    projection's kernel for the query heads it serves as `[rows, head_dim]`."""
 
     attention: _Attention
     rows: list[np.ndarray]
 
 
 def _attention_layers(graph: _Graph) -> tuple[list[_Attention], set[int]]:
-    """Every MultiHeadAttention layer of the graph, at the top or inside another layer (a
+    """Every attention layer of the graph, at the top or inside another layer (a
     transformer block layer, a nested model); and the ids of those found more than once (in two
     layers, or at the top and inside a nested model)."""
     found, count = {}, collections.Counter()
@@ -1213,18 +1238,22 @@ def _attention_layers(graph: _Graph) -> tuple[list[_Attention], set[int]]:
             continue
         inside = [(f"{name}/{sub.name}", sub) for sub in walk_layers(op)]
         for label, layer in [(name, op), *inside]:
-            if _keras_kind(layer) == "MultiHeadAttention":
+            if _keras_kind(layer) in _ATTENTION:
                 count[id(layer)] += 1
                 found.setdefault(id(layer), _Attention(label, name, layer))
     return list(found.values()), {i for i, n in count.items() if n > 1}
 
 
 def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[PermutationReport]]:
-    """The MultiHeadAttention layers whose value heads can be permuted, and reports for the
-    others. Head h of the value projection (kernel `[d, H, Dv]`, bias `[H, Dv]`) writes the
-    channels that head h of the output projection (kernel `[H, Dv, ...]`, grouped along Dv) reads;
-    attention weighs all Dv channels of a head alike, so each head's Dv channels can be reordered
-    on their own, whatever the layer's inputs and outputs are (it may be called several times)."""
+    """The attention layers whose value heads can be permuted, and reports for the others.
+
+    Head j of the value projection (kernel `[d, Hv, Dv]`, bias `[Hv, Dv]`) writes the channels that
+    the output projection (kernel `[Hq, Dv, ...]`, grouped along Dv) reads at the query heads it
+    serves (MultiHeadAttention: head j; GroupQueryAttention, which repeats each value head for
+    Hq / Hv query heads: heads j * Hq/Hv ... (j + 1) * Hq/Hv - 1, whose gate channels, if any,
+    multiply them). Attention weighs all Dv channels of a head alike, so each value head's
+    channels can be reordered on their own, whatever the layer's inputs and outputs are (it may
+    be called several times)."""
     plans, reports = [], []
     attention_layers, repeated = _attention_layers(graph)
     covered = {id(sub) for op in graph.ops.values() if isinstance(op, keras.layers.Layer)
@@ -1234,37 +1263,47 @@ def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[P
         name, op = attention.name, attention.layer
         if not op.built or (selectors and id(op) not in covered):
             continue
-        heads, value_dim = op.num_heads, op.value_dense.kernel.shape[-1]
+        parts = _projections(op)
+        heads, value_dim = parts["value"].kernel.shape[-2:]
+        query_heads = parts["output"].kernel.shape[0]
         reason = _frozen(name, op)
         if not reason and (id(op) in repeated or attention.holder in graph.hidden):
             reason = f"{_describe(name, op)} is shared (also used inside another layer)"
         if not reason and value_dim % 4:
             reason = f"value_dim {value_dim}, not a multiple of 4"
-        if not reason and (tuple(op.value_dense.kernel.shape[-2:]) != (heads, value_dim)
-                           or tuple(op.output_dense.kernel.shape[:2]) != (heads, value_dim)):
+        if not reason and (query_heads % heads or parts["output"].kernel.shape[1] != value_dim):
             reason = f"{_describe(name, op)} has projections of unexpected shapes"
         if reason:
             reports.append(PermutationReport(name, (name,), value_dim, False, reason,
                                              producers=(name,), heads=heads))
             continue
-        kernel = op.output_dense.kernel.numpy()
+        kernel = parts["output"].kernel.numpy()
         if not np.all(np.isfinite(kernel)):
             raise ValueError(
                 f"permute(): the kernel of layer {name!r} contains NaN/Inf; cannot search a "
                 "channel order for it."
             )
-        plans.append(_HeadPlan(attention, [channel_matrix(head, 0) for head in kernel]))
+        serves = query_heads // heads
+        plans.append(_HeadPlan(attention, [
+            np.concatenate([channel_matrix(kernel[q], 0) for q in range(j * serves, (j + 1) * serves)])
+            for j in range(heads)]))
     return plans, reports
 
 
 def _apply_heads(copies: dict, attention: _Attention, perms: list[np.ndarray]) -> None:
-    """Reorders each head's value channels in the copy of `attention`: the value projection's
-    kernel and bias along Dv, the output projection's kernel along its Dv axis."""
-    layer = _copy_of(copies, attention.name, attention.layer)
-    value_dim = len(perms[0])
-    index = np.concatenate([h * value_dim + perm for h, perm in enumerate(perms)])
-    for variable, first in ((layer.value_dense.kernel, 1), (layer.value_dense.bias, 0),
-                            (layer.output_dense.kernel, 0)):
+    """Reorders each value head's channels in the copy of `attention`: the value projection's
+    kernel and bias along Dv, the output projection's kernel (and a gate's kernel and bias) along
+    Dv at the query heads it serves."""
+    parts = _projections(_copy_of(copies, attention.name, attention.layer))
+    value_dim, serves = len(perms[0]), parts["output"].kernel.shape[0] // len(perms)
+    value_index = np.concatenate([j * value_dim + perm for j, perm in enumerate(perms)])
+    query_index = np.concatenate([q * value_dim + perms[q // serves]
+                                  for q in range(serves * len(perms))])
+    gate = parts.get("gate")
+    for variable, first, index in (
+            (parts["value"].kernel, 1, value_index), (parts["value"].bias, 0, value_index),
+            (parts["output"].kernel, 0, query_index),
+            *([(gate.kernel, 1, query_index), (gate.bias, 0, query_index)] if gate else [])):
         if variable is None:
             continue
         values = variable.numpy()  # heads and Dv at axes `first`, `first + 1`
@@ -1286,12 +1325,12 @@ def permute(
     """Returns a copy of `model` with input channels reordered to keep more magnitude under 2:4.
 
     For each channel space (a set of channels that "producers" write: Dense/ConvND, SeparableConv,
-    EinsumDense, MultiHeadAttention (its output projection) and Embedding tables; and that
-    "consumers" read: Dense/ConvND, SeparableConv (depth_multiplier 1), EinsumDense and
-    MultiHeadAttention (its query, key and value projections, per call argument), through activations,
-    dropout, pooling, reshapes that keep the last axis, BatchNormalization, LayerNormalization,
-    depthwise convolutions with depth_multiplier 1 (DepthwiseConv, or ConvND with groups equal to
-    its channels), elementwise merges such as residual adds and squeeze-excite products, which join
+    EinsumDense, MultiHeadAttention and GroupQueryAttention (their output projection) and Embedding
+    tables; and that "consumers" read: Dense/ConvND, SeparableConv (depth_multiplier 1),
+    EinsumDense and those attention layers (their query, key and value projections, per call
+    argument), through activations, dropout, pooling, reshapes that keep the last axis,
+    BatchNormalization, LayerNormalization, depthwise convolutions with depth_multiplier 1
+    (DepthwiseConv, or ConvND with groups equal to its channels), elementwise merges such as residual adds and squeeze-excite products, which join
     their inputs' spaces (merge layers or keras ops: `x + y`, `x * keras.ops.relu6(x + 3.0) / 6.0`;
     a one-channel input broadcast over the others is left alone), and concatenations along the
     channels, past which the space is a slice at an offset), searches one channel order for all the
@@ -1302,9 +1341,9 @@ def permute(
     position table added in) is tried: a copy of it is run on random inputs with and without its
     channels reordered, and it is followed if it acts channel by channel. So a transformer's
     residual stream is one space, from the embedding table to the classifier. Inside every
-    MultiHeadAttention layer (also those inside custom layers, such as a transformer block layer)
-    each head's value channels are reordered on their own, for its output projection's 2:4 groups
-    (a report with `heads` > 0). A nested model (Sequential or Functional: a keras.applications base model in
+    attention layer (also those inside custom layers, such as a transformer block layer) each
+    value head's channels are reordered on their own, for its output projection's 2:4 groups (a
+    report with `heads` > 0). A nested model (Sequential or Functional: a keras.applications base model in
     a transfer-learning model) called once on one tensor is followed through as its own graph (its
     layers reported as 'outer/inner'). The copy of the model (made as `tf_sparse24.prune` makes its
     copies) computes the same function as `model` (up to float rounding) but its 2:4 masks keep
@@ -1458,7 +1497,7 @@ def _apply(graph: _Graph, copies: dict, space: _Space, perm: np.ndarray) -> None
         return _copy_of(copies, name, graph.ops[name])
 
     for name, offset in space.producers.items():
-        for variable, axis in _writes(copy_of(name)):
+        for variable, axis, _ in _writes(copy_of(name)):
             take(variable, axis, offset)
     for name, offset in space.through.items():
         # BatchNormalization/LayerNormalization: [C]; probed layers: [..., C]; depthwise: kernel
@@ -1471,5 +1510,5 @@ def _apply(graph: _Graph, copies: dict, space: _Space, perm: np.ndarray) -> None
     for name, offset in space.consumers.items():
         axes = _reads(copy_of(name))
         for role in space.reads[name]:
-            for variable, axis in axes[role]:
+            for variable, axis, _ in axes[role]:
                 take(variable, axis, offset)
