@@ -3,13 +3,14 @@
 For each keras.applications model, or one of the two transformers built here (`ViT`: patch conv,
 learned positions, pre-LayerNorm blocks of MultiHeadAttention and a GELU MLP, 4 blocks of width 64;
 `TextTransformer`: examples/text_transformer.py's model) (random weights: nothing is downloaded;
-32x32x3 inputs unless --size says otherwise, 10 classes; every 1-D weight (biases, BatchNorm and LayerNorm parameters and
-statistics, LayerScale) randomized so that a misaligned channel would show; float64 so that rounding
-does not hide one): the channel spaces permuted and skipped (with the most common skip reasons), how
-many of the model's Dense/Conv (groups=1)/SeparableConv/EinsumDense/MultiHeadAttention layers read
-a permuted space (their input channels reordered: what 2:4 groups; for attention, the query, key
-and value projections), how many attention layers had their value heads reordered, permute's wall
-time, and the largest |output difference| between the model and its permuted copy.
+32x32x3 inputs unless --size says otherwise, 10 classes; every 1-D weight (biases, BatchNorm and
+LayerNorm parameters and statistics, LayerScale) randomized so that a misaligned channel would show;
+float64 so that rounding does not hide one): the channel spaces permuted and skipped (with the most
+common skip reasons), how many of the model's Dense, Conv (groups=1), SeparableConv, EinsumDense and
+attention layers read a permuted space (their input channels reordered: what 2:4 groups; for
+attention, the query, key and value projections), how many attention layers had their value heads
+reordered, permute's wall time, and the largest |output difference| between the model and its
+permuted copy.
 
     .venv/bin/python bench/permute_coverage.py                        # ResNet50 MobileNetV2 EfficientNetB0
     .venv/bin/python bench/permute_coverage.py Xception --size 71     # Xception needs >= 71x71
@@ -28,8 +29,9 @@ import time
 import keras
 import numpy as np
 
+ATTENTION = ("MultiHeadAttention", "GroupedQueryAttention")
 CONSUMERS = ("Dense", "Conv1D", "Conv2D", "Conv3D", "SeparableConv1D", "SeparableConv2D",
-             "EinsumDense", "MultiHeadAttention")
+             "EinsumDense", *ATTENTION)
 
 
 @keras.saving.register_keras_serializable(package="permute_coverage")
@@ -83,7 +85,8 @@ def build(name: str, size: int, as_base: bool, rng: np.random.Generator) -> tupl
         pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
         model = keras.Model(inputs, keras.layers.Dense(10, name="head")(pooled))
         return model, images, f"{name} as a base model"
-    return getattr(keras.applications, name)(weights=None, input_shape=shape, classes=10), images, name
+    model = getattr(keras.applications, name)(weights=None, input_shape=shape, classes=10)
+    return model, images, name
 
 
 def randomize_vectors(layers: list, rng: np.random.Generator) -> None:
@@ -127,7 +130,7 @@ def main() -> None:
         start = time.perf_counter()
         permuted, reports = tf_sparse24.permute(model, seed=args.seed, progress=False)
         seconds = time.perf_counter() - start
-        attention = [layer for layer in layers if type(layer).__name__ == "MultiHeadAttention"]
+        attention = [layer for layer in layers if type(layer).__name__ in ATTENTION]
         projections = {id(sub) for layer in attention for sub in walk_layers(layer)}
         kernels = sum(type(layer).__name__ in CONSUMERS and getattr(layer, "groups", 1) == 1
                       and id(layer) not in projections  # counted as their attention layer

@@ -55,15 +55,17 @@ def main() -> None:
                 source, _ = tf_sparse24.permute(dense, layers=only if "only" in method else None,
                                                 seed=seed, progress=False)
             pruned = tf_sparse24.prune(source)
-            results[method].append((accuracy(pruned, x_test, y_test), 100 * kept_fraction(pruned)))
-            row.append(f"{method} {results[method][-1][0]:.2f} (kept {results[method][-1][1]:.3f}%)")
+            acc, kept = accuracy(pruned, x_test, y_test), 100 * kept_fraction(pruned)
+            results[method].append((acc, kept))
+            row.append(f"{method} {acc:.2f} (kept {kept:.3f}%)")
         print(", ".join(row), flush=True)
     print(f"\n{args.task}, one-shot 2:4, {args.seeds} seeds (mean ± std)")
     print("| method | test accuracy % | |w| kept by the masks % |")
     print("| --- | --- | --- |")
     for method, values in results.items():
         acc, kept = np.array(values).T
-        print(f"| {method} | {acc.mean():.2f} ± {acc.std():.2f} | {kept.mean():.3f} ± {kept.std():.3f} |")
+        print(f"| {method} | {acc.mean():.2f} ± {acc.std():.2f} | "
+              f"{kept.mean():.3f} ± {kept.std():.3f} |")
 
 
 if __name__ == "__main__":

@@ -1297,11 +1297,11 @@ def test_permute_layers_selects_attention_heads_inside_a_selected_layer():
     _randomize(model, seed=56)
     inner = model.get_layer("block").attention.name
 
+    both = sorted([f"block/{inner}", f"other/{model.get_layer('other').attention.name}"])
     for selector in ("block", f"block/{inner}", _EncoderBlock):
         _, reports = permute(model, kicks=1, progress=False, layers=selector)
         heads = sorted(r.producer for r in reports if r.heads)
-        assert heads == (sorted([f"block/{inner}", f"other/{model.get_layer('other').attention.name}"])
-                         if selector is _EncoderBlock else [f"block/{inner}"]), selector
+        assert heads == (both if selector is _EncoderBlock else [f"block/{inner}"]), selector
 
 
 @pytest.mark.parametrize("use_gate", [False, True])
