@@ -1326,3 +1326,66 @@ def test_permute_follows_group_query_attention(use_gate):
     assert heads.permuted and heads.heads == 2 and heads.channels == 8 and heads.gain_percent > 0
     old = model.get_layer("gqa")._value_dense.kernel.numpy()
     assert not np.array_equal(permuted.get_layer("gqa")._value_dense.kernel.numpy(), old)
+
+
+@keras.saving.register_keras_serializable(package="test_permute")
+class _Encoder(keras.layers.Layer):
+    """Blocks in a list, each holding an attention layer of the same name."""
+
+    def __init__(self, depth=3, **kwargs):
+        super().__init__(**kwargs)
+        self.depth = depth
+        self.blocks = [_NamedBlock(name=f"block_{i}") for i in range(depth)]
+
+    def get_config(self):
+        return {**super().get_config(), "depth": self.depth}
+
+    def build(self, shape):
+        for block in self.blocks:
+            block.build(shape)
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@keras.saving.register_keras_serializable(package="test_permute")
+class _NamedBlock(_EncoderBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(2, 8, name="self_attention")
+
+
+def test_permute_names_attention_layers_by_their_whole_path_and_selects_by_it():
+    inputs = keras.Input((5, 16))
+    x = _Encoder(name="encoder")(inputs)
+    inner_inputs = keras.Input((5, 16))
+    inner = keras.Model(inner_inputs, keras.layers.Dense(16, name="inner_d")(
+        keras.layers.MultiHeadAttention(2, 8, name="inner_mha")(inner_inputs, inner_inputs)),
+        name="inner")
+    x = keras.layers.Dense(16, name="d0")(inner(keras.layers.Dense(16, name="d_in")(x)))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d1")(x))
+    _randomize(model, seed=59)
+    data = _x(3, 5, 16, seed=60)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, data)
+    assert sorted(r.producer for r in reports if r.heads and r.permuted) == [
+        "encoder/block_0/self_attention", "encoder/block_1/self_attention",
+        "encoder/block_2/self_attention", "inner/inner_mha"]
+    for selector in ("encoder/block_1/self_attention", "block_1"):
+        permuted, reports = permute(model, kicks=1, progress=False, layers=selector)
+        assert [r.producer for r in reports if r.heads] == ["encoder/block_1/self_attention"]
+        blocks = [(old, new) for old, new in zip(model.get_layer("encoder").blocks,
+                                                 permuted.get_layer("encoder").blocks)]
+        changed = [not np.array_equal(old.attention.value_dense.kernel.numpy(),
+                                      new.attention.value_dense.kernel.numpy())
+                   for old, new in blocks]
+        assert changed == [False, True, False], selector
+    # A nested model the graph runs through, by name or object: its consumers and heads.
+    for selector in ("inner", inner):
+        _, reports = permute(model, kicks=1, progress=False, layers=selector)
+        assert sorted(c for r in reports if r.permuted for c in r.consumers) == [
+            "inner/inner_d", "inner/inner_mha", "inner/inner_mha"]

@@ -46,13 +46,15 @@ from tf_sparse24.prune import (
     _check_selectors,
     _check_untied,
     _copy_layer,
+    _covered,
     _is_functional,
-    _matches,
     _selector_list,
+    _sublayers,
     clone_graph,
     walk_layers,
 )
 from tf_sparse24.registry import einsum_axis, einsum_parts
+from tf_sparse24.wrapper import Sparse24
 
 _EPS = 1e-6  # gains below this (in summed |w|) are noise: stop searching
 
@@ -1178,14 +1180,14 @@ def _channel_rows(graph: _Graph, space: _Space) -> np.ndarray:
 
 
 def _plan(
-    graph: _Graph, selectors: list, max_channels: int | None
+    graph: _Graph, selected: set[int] | None, max_channels: int | None
 ) -> tuple[list[_Plan], list[PermutationReport]]:
     """The channel spaces to permute (their kernels read and checked) and reports for the
     skipped ones; one per space that a selected consumer reads."""
     plans, reports, seen = [], [], set()
     for name, op in graph.ops.items():
         by_input = _argument_reads(graph, name)
-        if not any(by_input) or (selectors and not _matches(op, selectors)):
+        if not any(by_input) or (selected is not None and id(op) not in selected):
             continue
         if why := _shared(graph, name):
             reports.append(PermutationReport(None, (name,), 0, False, f"{_describe(name, op)} {why}"))
@@ -1229,22 +1231,29 @@ class _HeadPlan(NamedTuple):
 
 
 def _attention_layers(graph: _Graph) -> tuple[list[_Attention], set[int]]:
-    """Every attention layer of the graph, at the top or inside another layer (a
-    transformer block layer, a nested model); and the ids of those found more than once (in two
-    layers, or at the top and inside a nested model)."""
+    """Every attention layer of the graph, at the top or inside another layer (a transformer
+    block layer, a nested model), named by its path ('encoder/block_1/attention'); and the ids of
+    those found more than once (held by two layers, or twice by one)."""
     found, count = {}, collections.Counter()
+
+    def visit(layer, path: str, holder: str, above: frozenset) -> None:
+        if _keras_kind(layer) in _ATTENTION:
+            count[id(layer)] += 1
+            found.setdefault(id(layer), _Attention(path, holder, layer))
+        elif not isinstance(layer, Sparse24) and id(layer) not in above:  # masks: not entered
+            subs = {id(sub): sub for sub in _sublayers(layer)}  # Keras also lists them in _layers
+            for sub in subs.values():
+                visit(sub, f"{path}/{sub.name}", holder, above | {id(layer)})
+
     for name, op in graph.ops.items():
-        if not isinstance(op, keras.layers.Layer):
-            continue
-        inside = [(f"{name}/{sub.name}", sub) for sub in walk_layers(op)]
-        for label, layer in [(name, op), *inside]:
-            if _keras_kind(layer) in _ATTENTION:
-                count[id(layer)] += 1
-                found.setdefault(id(layer), _Attention(label, name, layer))
+        if isinstance(op, keras.layers.Layer):
+            visit(op, name, name, frozenset())
     return list(found.values()), {i for i, n in count.items() if n > 1}
 
 
-def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[PermutationReport]]:
+def _head_plans(
+    graph: _Graph, selected: set[int] | None
+) -> tuple[list[_HeadPlan], list[PermutationReport]]:
     """The attention layers whose value heads can be permuted, and reports for the others.
 
     Head j of the value projection (kernel `[d, Hv, Dv]`, bias `[Hv, Dv]`) writes the channels that
@@ -1256,12 +1265,9 @@ def _head_plans(graph: _Graph, selectors: list) -> tuple[list[_HeadPlan], list[P
     be called several times)."""
     plans, reports = [], []
     attention_layers, repeated = _attention_layers(graph)
-    covered = {id(sub) for op in graph.ops.values() if isinstance(op, keras.layers.Layer)
-               for layer in (op, *walk_layers(op)) if _matches(layer, selectors)
-               for sub in (layer, *walk_layers(layer))}  # a selected layer covers those inside
     for attention in attention_layers:
         name, op = attention.name, attention.layer
-        if not op.built or (selectors and id(op) not in covered):
+        if not op.built or (selected is not None and id(op) not in selected):
             continue
         parts = _projections(op)
         heads, value_dim = parts["value"].kernel.shape[-2:]
@@ -1363,8 +1369,9 @@ def permute(
 
     Args:
         model: a built Functional or Sequential keras.Model.
-        layers: only search for these consumers (layer names, layer objects or layer classes, as
-            in `tf_sparse24.prune`; None = all).
+        layers: only search for these consumers and attention layers (layer names, layer
+            objects or layer classes, as in `tf_sparse24.prune`; a selected container selects
+            those inside it; a report's 'outer/inner' name selects that layer; None = all).
         kicks: escape rounds per search (see `search_permutation`).
         seed: seed of the searches.
         block_channels: wider groups are searched in random blocks of about this many channels
@@ -1390,21 +1397,25 @@ def permute(
     _check_model(model, "permute")
     graph = _graph(model)
     # Names from a report ('outer/inner': inside an inlined model, or an attention layer inside
-    # another layer) select that layer.
-    paths = {**graph.ops, **{a.name: a.layer for a in _attention_layers(graph)[0]}}
+    # another layer) select that layer; a selected container selects what it holds.
+    attention = _attention_layers(graph)[0]
+    paths = {**graph.ops, **{a.name: a.layer for a in attention}}
     layers = [paths.get(s, s) if isinstance(s, str) and "/" in s else s
               for s in _selector_list(layers)]
     selectors = _check_selectors(model, layers, "layers")
-    names = {*paths, *(path.rsplit("/", 1)[-1] for path in paths)}
-    if inner := [s for s in selectors if isinstance(s, str) and s not in names]:
+    everything = walk_layers(model)
+    reachable = {*map(id, graph.ops.values()), *(id(a.layer) for a in attention)}
+    if inner := [s for s in selectors
+                 if isinstance(s, str) and not _covered(everything, [s]) & reachable]:
         raise ValueError(
             f"layers: {inner} sit inside a nested model or layer of model {model.name!r} that "
             "permute() does not follow (a layer, or a nested model that is shared or has several "
             "inputs or outputs)."
         )
     _check_untied(model, "permute")
-    plans, reports = _plan(graph, selectors, max_channels)
-    head_plans, head_reports = _head_plans(graph, selectors)
+    selected = _covered(everything, selectors) if selectors else None
+    plans, reports = _plan(graph, selected, max_channels)
+    head_plans, head_reports = _head_plans(graph, selected)
     reports += head_reports
     copy, copies = _copy_model(model)
     bar = tqdm(total=len(plans) + len(head_plans), desc="channel permutations", unit="space",

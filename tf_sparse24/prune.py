@@ -125,6 +125,13 @@ def _matches(layer, selectors) -> bool:
     )
 
 
+def _covered(layers: list, selectors) -> set[int]:
+    """Ids of the `layers` that `selectors` select and of every layer inside them: a selected
+    container (a block layer, a nested model) covers the layers it holds."""
+    return {id(sub) for layer in layers if _matches(layer, selectors)
+            for sub in (layer, *walk_layers(layer))}
+
+
 def _selector_list(selectors) -> list:
     """`layers=`/`skip=` as a list: one name, class or layer object, or a sequence of them."""
     if isinstance(selectors, (str, type, keras.layers.Layer)):  # one selector, not a sequence
@@ -149,14 +156,7 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
     layer that names it."""
     m = parse_pattern(pattern)[1]
     everything = walk_layers(model)
-
-    def covered(selectors) -> set[int]:  # a selected container covers the layers inside it
-        return {
-            i for layer in everything if _matches(layer, selectors)
-            for i in (id(layer), *map(id, walk_layers(layer)))
-        }
-
-    selected, skipped = covered(layers), covered(skip)
+    selected, skipped = _covered(everything, layers), _covered(everything, skip)
     # ...and a skipped layer's weights stay dense also where its owner's table names them
     # (skip=[EinsumDense] keeps MultiHeadAttention's projections dense).
     taken = {id(v) for layer in everything if id(layer) in skipped for v in layer.weights}
@@ -267,11 +267,11 @@ def _copy_layer(layer):
             _copy_state(layer, new)
         except ValueError as err:  # Keras' own variable-count check
             quantized = [name for name in quantized_layers(layer) if name != layer.name]
-            hint = (f" The layers {quantized} inside it are quantized, which its config does not "
-                    "record: prune or permute the float model, then quantize." if quantized else "")
+            why = (f"the layers {quantized} inside it are quantized, which its config does not "
+                   "record: prune or permute the float model, then quantize" if quantized else
+                   f"the copy made from its get_config() does not take its variables ({err})")
             raise TypeError(
-                f"Cannot copy layer {layer.name!r} ({type(layer).__name__}): the copy made from "
-                f"its get_config() does not take its variables ({err}).{hint}") from err
+                f"Cannot copy layer {layer.name!r} ({type(layer).__name__}): {why}.") from err
     return new
 
 
