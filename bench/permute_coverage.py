@@ -1,8 +1,9 @@
 """How much of a real architecture `tf_sparse24.permute` reaches, and that it keeps the function.
 
-For each keras.applications model, or one of the two transformers built here (`ViT`: patch conv,
+For each keras.applications model, or one of the transformers built here (`ViT`: patch conv,
 learned positions, pre-LayerNorm blocks of MultiHeadAttention and a GELU MLP, 4 blocks of width 64;
-`TextTransformer`: examples/text_transformer.py's model) (random weights: nothing is downloaded;
+`TextTransformer`: examples/text_transformer.py's model; `Llama`: RMSNorm, grouped-query causal
+attention and SwiGLU blocks) (random weights: nothing is downloaded;
 32x32x3 inputs unless --size says otherwise, 10 classes; every 1-D weight (biases, BatchNorm and
 LayerNorm parameters and statistics, LayerScale) randomized so that a misaligned channel would show;
 float64 so that rounding does not hide one): the channel spaces permuted and skipped (with the most
@@ -15,7 +16,7 @@ permuted copy.
     .venv/bin/python bench/permute_coverage.py                        # ResNet50 MobileNetV2 EfficientNetB0
     .venv/bin/python bench/permute_coverage.py Xception --size 71     # Xception needs >= 71x71
     .venv/bin/python bench/permute_coverage.py --as-base MobileNetV2  # nested, as in fine-tuning
-    .venv/bin/python bench/permute_coverage.py ViT TextTransformer
+    .venv/bin/python bench/permute_coverage.py ViT TextTransformer Llama
 """
 
 from __future__ import annotations
@@ -62,6 +63,28 @@ def vit(size: int, depth: int = 4, dim: int = 64, heads: int = 4) -> keras.Model
     return keras.Model(inputs, layers.Dense(10, name="head")(x), name="vit")
 
 
+def llama(depth: int = 2, dim: int = 64, vocab: int = 1000, tokens: int = 16) -> keras.Model:
+    """A small Llama-style decoder from keras layers: token embedding, `depth` pre-RMSNorm blocks
+    of grouped-query self-attention (8 query heads, 2 key/value heads, causal) and a SwiGLU MLP
+    (`silu(gate(x)) * up(x)` -> down), a final RMSNorm and a vocabulary head (no rotary position
+    embedding: Keras has no layer for it)."""
+    layers = keras.layers
+    ids = keras.Input((tokens,), dtype="int32")
+    x = layers.Embedding(vocab, dim, name="embed")(ids)
+    for i in range(depth):
+        y = layers.RMSNormalization(name=f"attn_norm{i}")(x)
+        y = layers.GroupQueryAttention(dim // 8, 8, 2, use_bias=False, name=f"attn{i}")(
+            y, y, use_causal_mask=True)
+        x = layers.Add()([x, y])
+        y = layers.RMSNormalization(name=f"mlp_norm{i}")(x)
+        gate = layers.Dense(3 * dim, use_bias=False, name=f"gate{i}")(y)
+        up = layers.Dense(3 * dim, use_bias=False, name=f"up{i}")(y)
+        y = layers.Dense(dim, use_bias=False, name=f"down{i}")(keras.ops.silu(gate) * up)
+        x = layers.Add()([x, y])
+    x = layers.RMSNormalization(name="final_norm")(x)
+    return keras.Model(ids, layers.Dense(vocab, use_bias=False, name="lm_head")(x), name="llama")
+
+
 def text_transformer() -> keras.Model:
     """examples/text_transformer.py's model: Embedding, self-attention, FFN, mean, logits."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
@@ -76,9 +99,10 @@ def build(name: str, size: int, as_base: bool, rng: np.random.Generator) -> tupl
     images = rng.normal(size=(2, *shape))
     if name == "ViT":
         return vit(size), images, name
-    if name == "TextTransformer":
-        model = text_transformer()
-        return model, rng.integers(0, 8000, (2, model.input.shape[1])), name
+    if name in ("TextTransformer", "Llama"):
+        model = text_transformer() if name == "TextTransformer" else llama()
+        vocab = model.get_layer("embed").input_dim
+        return model, rng.integers(0, vocab, (2, model.input.shape[1])), name
     if as_base:
         base = getattr(keras.applications, name)(weights=None, input_shape=shape, include_top=False)
         inputs = keras.Input(shape)
