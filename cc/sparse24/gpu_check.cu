@@ -684,6 +684,17 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
     call(*p, "fallback, plain kernel", true, gpu::SparseMatMul::kPlainMaxRows);
     stats_are(capacity, inserted + 1, "fallback, plain kernel");
   }
+  // One op call on q through `cache`, a SparseMatMul of its own (y checked).
+  auto call_on = [&](gpu::SparseMatMul& cache, Problem& q, const std::string& what) {
+    CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
+    const gpu::MatMulArgs args{t, q.x.p, q.values.p, q.meta.get<uint8_t>(), M, K, N, y.p};
+    const gpu::Status status = cache.run(args, alloc, stream);
+    verdict(status.ok(), "SparseMatMul " + what + ": " + status.message + ", " + shape);
+    check_y(q, M, what);
+  };
+  auto prepared = [](const gpu::SparseMatMul::Stats& s) {
+    return s.compressions + s.decompressions;  // weights made into the cache's form
+  };
   // A byte limit of two and a half weights keeps two, the least recently used going first: p,
   // other, more[1] leave other and more[1]; p again is prepared again and leaves more[1] and p.
   const size_t per_weight = mm.stats().cached_bytes / capacity;
@@ -691,18 +702,27 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
     gpu::SparseMatMul small([](const std::string&, const std::string&) {}, false,
                             gpu::CacheLimits{capacity, per_weight * 5 / 2});
     for (Problem* q : {p.get(), other.get(), more[1].get(), p.get()}) {
-      CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
-      const gpu::MatMulArgs args{t, q->x.p, q->values.p, q->meta.get<uint8_t>(), M, K, N, y.p};
-      const gpu::Status status = small.run(args, alloc, stream);
-      verdict(status.ok(), "SparseMatMul under a byte limit: " + status.message + ", " + shape);
-      check_y(*q, M, "under a byte limit");
+      call_on(small, *q, "under a byte limit");
     }
     const gpu::SparseMatMul::Stats s = small.stats();
     verdict(per_weight > 0 && s.cached_weights == 2 && s.cached_bytes == 2 * per_weight &&
-                s.compressions + s.decompressions == 4,
+                prepared(s) == 4,
             fmt("SparseMatMul under a byte limit of %zu: %zu cached, %zu bytes, %d prepared "
                 "(want 2, %zu, 4), ", per_weight * 5 / 2, s.cached_weights, s.cached_bytes,
-                s.compressions + s.decompressions, 2 * per_weight) + shape);
+                prepared(s), 2 * per_weight) + shape);
+  }
+  // The default limits keep a model's worth of weights, as one eager kernel serves them all: p,
+  // other and every `more` weight (10, more than the 8 of the first version), then p again (a hit).
+  {
+    gpu::SparseMatMul whole([](const std::string&, const std::string&) {}, false);
+    std::vector<Problem*> order{p.get(), other.get()};
+    for (const auto& q : more) order.push_back(q.get());
+    for (Problem* q : order) call_on(whole, *q, "under the default limits");
+    call_on(whole, *p, "under the default limits, first weight again");
+    const gpu::SparseMatMul::Stats s = whole.stats();
+    verdict(s.cached_weights == order.size() && prepared(s) == static_cast<int>(order.size()),
+            fmt("SparseMatMul under the default limits: %zu cached, %d prepared (want %zu, %zu), ",
+                s.cached_weights, prepared(s), order.size(), order.size()) + shape);
   }
   // Invalid meta on a new weight (row n=N-1, group g=1): named, before any result.
   const uint8_t invalid = 0x5e;  // byte 0: group 0 at positions (2, 3), group 1 at (1, 1)
