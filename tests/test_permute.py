@@ -1311,7 +1311,7 @@ def test_permute_follows_group_query_attention(use_gate):
     tokens = keras.Input((6,), dtype="int32")
     x = keras.layers.Embedding(30, 16, name="embed")(tokens)
     attended = keras.layers.GroupQueryAttention(8, 4, 2, use_gate=use_gate, name="gqa")(x, x)
-    x = keras.layers.LayerNormalization()(x + attended)
+    x = keras.layers.RMSNormalization(name="norm")(x + attended)  # Llama-style
     x = x + keras.layers.Dense(16, name="ffn2")(keras.layers.Dense(32, name="ffn1")(x))
     x = keras.layers.GlobalAveragePooling1D()(x)
     model = keras.Model(tokens, keras.layers.Dense(4, name="logits")(x))
@@ -1324,6 +1324,8 @@ def test_permute_follows_group_query_attention(use_gate):
     assert stream.permuted and stream.consumers == ("gqa", "ffn1", "logits")
     (heads,) = [r for r in reports if r.heads]
     assert heads.permuted and heads.heads == 2 and heads.channels == 8 and heads.gain_percent > 0
+    assert not np.array_equal(permuted.get_layer("norm").scale.numpy(),
+                              model.get_layer("norm").scale.numpy())
     old = model.get_layer("gqa")._value_dense.kernel.numpy()
     assert not np.array_equal(permuted.get_layer("gqa")._value_dense.kernel.numpy(), old)
 

@@ -448,7 +448,7 @@ _ELEMENTWISE_OPS = {
     "Cast", "StopGradient",
 }  # fmt: skip
 _CHANNEL_SOFTMAX_OPS = {"Softmax", "LogSoftmax"}  # symmetric over the channels when axis=-1
-_PER_CHANNEL = {"BatchNormalization", "LayerNormalization"}  # 1-D [C] weights, permuted too
+_PER_CHANNEL = {"BatchNormalization", "LayerNormalization", "RMSNormalization"}  # [C] weights
 # Per-channel spatial filters (depth_multiplier 1): kernel [..., C, 1] and bias [C], permuted too.
 _DEPTHWISE = {"DepthwiseConv1D", "DepthwiseConv2D"}
 # Depthwise then pointwise: depthwise_kernel [..., C, m], pointwise_kernel [..., C * m, out].
@@ -1335,7 +1335,7 @@ def permute(
     tables; and that "consumers" read: Dense/ConvND, SeparableConv (depth_multiplier 1), EinsumDense
     and those attention layers (their query, key and value projections, per call argument), through
     activations, dropout, pooling, reshapes that keep the last axis, BatchNormalization,
-    LayerNormalization, depthwise convolutions with depth_multiplier 1 (DepthwiseConv, or ConvND
+    LayerNormalization, RMSNormalization, depthwise convolutions with depth_multiplier 1 (DepthwiseConv, or ConvND
     with groups equal to its channels), elementwise merges such as residual adds and squeeze-excite
     products, which join their inputs' spaces (merge layers or keras ops: `x + y`, `x *
     keras.ops.relu6(x + 3.0) / 6.0`; a one-channel input broadcast over the others is left alone),
