@@ -1335,26 +1335,26 @@ def permute(
     tables; and that "consumers" read: Dense/ConvND, SeparableConv (depth_multiplier 1), EinsumDense
     and those attention layers (their query, key and value projections, per call argument), through
     activations, dropout, pooling, reshapes that keep the last axis, BatchNormalization,
-    LayerNormalization, RMSNormalization, depthwise convolutions with depth_multiplier 1 (DepthwiseConv, or ConvND
-    with groups equal to its channels), elementwise merges such as residual adds and squeeze-excite
-    products, which join their inputs' spaces (merge layers or keras ops: `x + y`, `x *
-    keras.ops.relu6(x + 3.0) / 6.0`; a one-channel input broadcast over the others is left alone),
-    and concatenations along the channels, past which the space is a slice at an offset), searches
-    one channel order for all the consumers' kernels together (`search_permutation`) and applies it
-    to the consumers' kernel input axis (and depthwise filters), every producer's (pointwise) kernel
-    output axis and bias, and every per-channel weight in between, each at its offset. A layer with
-    no rule here whose weights all have C entries along their last axis (ConvNeXt's LayerScale, a
-    user's `x * gamma`, a learned position table added in) is tried: a copy of it is run on random
-    inputs with and without its channels reordered, and it is followed if it acts channel by
-    channel. So a transformer's residual stream is one space, from the embedding table to the
-    classifier. Inside every attention layer (also those inside custom layers, such as a transformer
-    block layer) each value head's channels are reordered on their own, for its output projection's
-    2:4 groups (a report with `heads` > 0). A nested model (Sequential or Functional: a
-    keras.applications base model in a transfer-learning model) called once on one tensor is
-    followed through as its own graph (its layers reported as 'outer/inner'). The copy of the model
-    (made as `tf_sparse24.prune` makes its copies) computes the same function as `model` (up to
-    float rounding) but its 2:4 masks keep more. Run it on the trained dense model, before
-    `tf_sparse24.prune`. The caller's model is not changed.
+    LayerNormalization, RMSNormalization, depthwise convolutions with depth_multiplier 1
+    (DepthwiseConv, or ConvND with groups equal to its channels), elementwise merges such as
+    residual adds and squeeze-excite products, which join their inputs' spaces (merge layers or
+    keras ops: `x + y`, `x * keras.ops.relu6(x + 3.0) / 6.0`; a one-channel input broadcast over the
+    others is left alone), and concatenations along the channels, past which the space is a slice at
+    an offset), searches one channel order for all the consumers' kernels together
+    (`search_permutation`) and applies it to the consumers' kernel input axis (and depthwise
+    filters), every producer's (pointwise) kernel output axis and bias, and every per-channel weight
+    in between, each at its offset. A layer with no rule here whose weights all have C entries along
+    their last axis (ConvNeXt's LayerScale, a user's `x * gamma`, a learned position table added in)
+    is tried: a copy of it is run on random inputs with and without its channels reordered, and it
+    is followed if it acts channel by channel. So a transformer's residual stream is one space, from
+    the embedding table to the classifier. Inside every attention layer (also those inside custom
+    layers, such as a transformer block layer) each value head's channels are reordered on their
+    own, for its output projection's 2:4 groups (a report with `heads` > 0). A nested model
+    (Sequential or Functional: a keras.applications base model in a transfer-learning model) called
+    once on one tensor is followed through as its own graph (its layers reported as 'outer/inner').
+    The copy of the model (made as `tf_sparse24.prune` makes its copies) computes the same function
+    as `model` (up to float rounding) but its 2:4 masks keep more. Run it on the trained dense
+    model, before `tf_sparse24.prune`. The caller's model is not changed.
 
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
     shared layer (called twice, or also inside a nested model), a nested model with several inputs
