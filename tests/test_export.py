@@ -1052,3 +1052,26 @@ def test_verify_compares_with_the_model_in_graph_mode(tmp_path):
     (served,) = load(tmp_path / "1").signatures["serving_default"](image=x).values()
     np.testing.assert_allclose(served.numpy(), graph, rtol=1e-5, atol=1e-5)
     assert verify(tmp_path / "1", against=pruned)["max_abs_diff"]["output_0"] <= 1e-4
+
+
+def test_accelerated_runs_group_query_attention(tmp_path):
+    # Grouped-query attention (4 query heads sharing 2 key/value heads, a sigmoid gate): every
+    # projection, the gate's too, runs as Sparse24MatMul and the export serves what it computes.
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((6, 16), name="tokens")
+    x = keras.layers.GroupQueryAttention(8, 4, 2, use_gate=True, name="gqa")(tokens, tokens)
+    model = tf_sparse24.prune(keras.Model(tokens, keras.layers.Dense(4, name="scores")(x)))
+    randomize_biases(model, 4)
+    x = np.random.default_rng(5).standard_normal((3, 6, 16)).astype(np.float32)
+    want = keras.ops.convert_to_numpy(model(x, training=False))
+
+    metadata = export(model, tmp_path / "1", mode="accelerated")
+
+    kernels = {e["name"]: e["kernel"] for e in metadata["sparse"]}
+    assert kernels == dict.fromkeys(
+        ["gqa/query/kernel", "gqa/key/kernel", "gqa/gate/kernel", "gqa/value/kernel",
+         "gqa/attention_output/kernel", "scores/kernel"], "sparse24_matmul")
+    assert op_count(tmp_path / "1", "Sparse24MatMul") == 6
+    serve = load(tmp_path / "1").signatures["serving_default"]
+    got = serve(tokens=tf.constant(x))["scores"].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
