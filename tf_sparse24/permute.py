@@ -742,6 +742,12 @@ def _einsum_writes(layer) -> list[_Axis]:
     return axes
 
 
+def _built_channels_last(layer) -> bool:
+    """Whether `layer` is built and keeps its channels last (the only layout permute() reorders)."""
+    return (getattr(layer, "built", False)
+            and getattr(layer, "data_format", "channels_last") == "channels_last")
+
+
 def _reads(layer) -> dict[str, list[_Axis]]:
     """How `layer` reads each of its inputs' channels, by call argument: the weight axes that
     run along them (the `grouped` ones, whose 2:4 groups run along them, are searched; the others
@@ -752,10 +758,7 @@ def _reads(layer) -> dict[str, list[_Axis]]:
     contracted with the input's last axis. MultiHeadAttention and GroupQueryAttention: that axis of
     their query (and gate), key and value projections.
     """
-    kind = _keras_kind(layer)
-    if (not getattr(layer, "built", False)
-            or getattr(layer, "data_format", "channels_last") != "channels_last"):
-        return {}
+    kind = _keras_kind(layer) if _built_channels_last(layer) else ""
     if kind in _KERNEL_LAYERS and getattr(layer, "groups", 1) == 1:
         return {"inputs": [_Axis(layer.kernel, layer.kernel.ndim - 2)]}
     if kind in _SEPARABLE and layer.depth_multiplier == 1:
@@ -786,10 +789,7 @@ def _writes(layer) -> list[_Axis]:
     MultiHeadAttention and GroupQueryAttention: those of their output projection. Embedding: the
     table's last axis.
     """
-    kind = _keras_kind(layer)
-    if (not getattr(layer, "built", False)
-            or getattr(layer, "data_format", "channels_last") != "channels_last"):
-        return []
+    kind = _keras_kind(layer) if _built_channels_last(layer) else ""
     if (kind in _KERNEL_LAYERS and getattr(layer, "groups", 1) == 1) or kind in _SEPARABLE:
         kernel = layer.kernel if kind in _KERNEL_LAYERS else layer.pointwise_kernel
         bias = [_Axis(layer.bias, 0)] if layer.bias is not None else []
@@ -1158,6 +1158,19 @@ def _roots(graph: _Graph, name: str) -> list[str]:
     return [name]
 
 
+def _finite(name: str, kernel) -> np.ndarray:
+    """`kernel` as an array.
+
+    Raises:
+        ValueError: naming layer `name` if it has NaN/Inf (no channel order can be searched).
+    """
+    values = kernel.numpy()
+    if not np.all(np.isfinite(values)):
+        raise ValueError(f"permute(): the kernel of layer {name!r} contains NaN/Inf; cannot search "
+                         "a channel order for it.")
+    return values
+
+
 def _channel_rows(graph: _Graph, space: _Space) -> np.ndarray:
     """The consumers' kernels that read `space` (their `_reads` kernels), at their offsets, as one
     `[rows, channels]` matrix (ASP's orientation).
@@ -1169,12 +1182,7 @@ def _channel_rows(graph: _Graph, space: _Space) -> np.ndarray:
     for name, offset in space.consumers.items():
         axes = _reads(graph.ops[name])
         for kernel, axis, _ in (a for role in space.reads[name] for a in axes[role] if a.grouped):
-            kernel = kernel.numpy()
-            if not np.all(np.isfinite(kernel)):
-                raise ValueError(
-                    f"permute(): the kernel of layer {name!r} contains NaN/Inf; cannot search a "
-                    "channel order for it."
-                )
+            kernel = _finite(name, kernel)
             rows.append(channel_matrix(kernel, axis)[:, offset:offset + space.channels])
     return np.concatenate(rows)
 
@@ -1252,7 +1260,8 @@ def _attention_layers(graph: _Graph) -> tuple[list[_Attention], set[int]]:
 
 
 def _head_plans(
-    graph: _Graph, selected: set[int] | None
+    graph: _Graph, attention_layers: list[_Attention], repeated: set[int],
+    selected: set[int] | None,
 ) -> tuple[list[_HeadPlan], list[PermutationReport]]:
     """The attention layers whose value heads can be permuted, and reports for the others.
 
@@ -1262,9 +1271,8 @@ def _head_plans(
     Hq / Hv query heads: heads j * Hq/Hv ... (j + 1) * Hq/Hv - 1, whose gate channels, if any,
     multiply them). Attention weighs all Dv channels of a head alike, so each value head's
     channels can be reordered on their own, whatever the layer's inputs and outputs are (it may
-    be called several times)."""
+    be called several times). `attention_layers` and `repeated`: `_attention_layers(graph)`."""
     plans, reports = [], []
-    attention_layers, repeated = _attention_layers(graph)
     for attention in attention_layers:
         name, op = attention.name, attention.layer
         if not op.built or (selected is not None and id(op) not in selected):
@@ -1283,12 +1291,7 @@ def _head_plans(
             reports.append(PermutationReport(name, (name,), value_dim, False, reason,
                                              producers=(name,), heads=heads))
             continue
-        kernel = parts["output"].kernel.numpy()
-        if not np.all(np.isfinite(kernel)):
-            raise ValueError(
-                f"permute(): the kernel of layer {name!r} contains NaN/Inf; cannot search a "
-                "channel order for it."
-            )
+        kernel = _finite(name, parts["output"].kernel)
         serves = query_heads // heads
         plans.append(_HeadPlan(attention, [  # value head j: its query heads' rows
             np.concatenate([channel_matrix(head, 0) for head in kernel[j * serves:][:serves]])
@@ -1398,7 +1401,7 @@ def permute(
     graph = _graph(model)
     # Names from a report ('outer/inner': inside an inlined model, or an attention layer inside
     # another layer) select that layer; a selected container selects what it holds.
-    attention = _attention_layers(graph)[0]
+    attention, repeated = _attention_layers(graph)
     paths = {**graph.ops, **{a.name: a.layer for a in attention}}
     layers = [paths.get(s, s) if isinstance(s, str) and "/" in s else s
               for s in _selector_list(layers)]
@@ -1415,7 +1418,7 @@ def permute(
     _check_untied(model, "permute")
     selected = _covered(everything, selectors) if selectors else None
     plans, reports = _plan(graph, selected, max_channels)
-    head_plans, head_reports = _head_plans(graph, selected)
+    head_plans, head_reports = _head_plans(graph, attention, repeated, selected)
     reports += head_reports
     copy, copies = _copy_model(model)
     bar = tqdm(total=len(plans) + len(head_plans), desc="channel permutations", unit="space",
