@@ -600,18 +600,27 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   // the plain kernel, uncached, for fewer rows. The same cache logic is checked on either form.
   const bool lt = gpu::lt_unsupported_reason(t, K, N).empty();
   int want_plain = 0, want_dense = 0;  // fallback calls made so far, by path
-  // One op call on p (y poisoned first, in stream order); checks y unless wait is false.
-  auto call = [&](Problem& p, const std::string& what, bool wait = true, int64_t rows = 0) {
+  // One op call on p through `cache` (y poisoned first, in stream order); checks y unless wait
+  // is false.
+  auto call_on = [&](gpu::SparseMatMul& cache, Problem& p, const std::string& what,
+                     bool wait = true, int64_t rows = 0) {
     if (rows == 0) rows = M;
     CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
     const gpu::MatMulArgs args{t, p.x.p, p.values.p, p.meta.get<uint8_t>(), rows, K, N, y.p};
-    const gpu::Status status = mm.run(args, alloc, stream);
+    const gpu::Status status = cache.run(args, alloc, stream);
     if (!status.ok()) {
       verdict(false, "SparseMatMul " + what + ": " + status.message + ", " + shape);
       return status;
     }
-    if (!lt) ++(rows > gpu::SparseMatMul::kPlainMaxRows ? want_dense : want_plain);
     if (wait) check_y(p, rows, what);
+    return status;
+  };
+  // The same through `mm`, counting its fallback calls by path.
+  auto call = [&](Problem& p, const std::string& what, bool wait = true, int64_t rows = 0) {
+    const gpu::Status status = call_on(mm, p, what, wait, rows);
+    if (status.ok() && !lt) {
+      ++((rows == 0 ? M : rows) > gpu::SparseMatMul::kPlainMaxRows ? want_dense : want_plain);
+    }
     return status;
   };
   // `made`: weights put into the cache's form so far (compressed, or decompressed for cuBLAS).
@@ -684,14 +693,6 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
     call(*p, "fallback, plain kernel", true, gpu::SparseMatMul::kPlainMaxRows);
     stats_are(capacity, inserted + 1, "fallback, plain kernel");
   }
-  // One op call on q through `cache`, a SparseMatMul of its own (y checked).
-  auto call_on = [&](gpu::SparseMatMul& cache, Problem& q, const std::string& what) {
-    CUDA_OK(cudaMemsetAsync(y.p, 0xff, y.bytes, stream));
-    const gpu::MatMulArgs args{t, q.x.p, q.values.p, q.meta.get<uint8_t>(), M, K, N, y.p};
-    const gpu::Status status = cache.run(args, alloc, stream);
-    verdict(status.ok(), "SparseMatMul " + what + ": " + status.message + ", " + shape);
-    check_y(q, M, what);
-  };
   auto prepared = [](const gpu::SparseMatMul::Stats& s) {
     return s.compressions + s.decompressions;  // weights made into the cache's form
   };
