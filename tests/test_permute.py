@@ -966,7 +966,7 @@ def test_permute_copies_an_adapted_lookup():
     lookup = keras.layers.IntegerLookup()
     lookup.adapt(np.array([3, 7, 11, 42, 99]))
     inputs = keras.Input((5,), dtype="int64")
-    x = keras.layers.Embedding(10, 16)(lookup(inputs))
+    x = keras.layers.Embedding(10, 16, name="embedding")(lookup(inputs))
     x = keras.layers.Dense(16, name="d0")(x)
     model = keras.Model(inputs, keras.layers.Dense(4, name="d1")(x))
     _randomize(model, seed=13)

@@ -1042,3 +1042,52 @@ def test_a_layer_quantized_inside_its_owner_is_a_clear_copy_error():
                                             r"the layers \['attention_output'\] inside it are "
                                             r"quantized"):
             copy(model)
+
+
+@keras.saving.register_keras_serializable("test_prune")
+class _LazyTransformerBlock(keras.layers.Layer):
+    """Keras' own text-classification example's TransformerBlock: no build() and no get_config()
+    (Keras records the constructor arguments), so its sublayers make their weights when first
+    called, and a copy made from its config and build config has none of them."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.att = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential(
+            [keras.layers.Dense(ff_dim, activation="relu"), keras.layers.Dense(embed_dim)]
+        )
+        self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6)
+
+    def call(self, x):
+        h = self.norm1(x + self.att(x, x))
+        return self.norm2(h + self.ffn(h))
+
+
+def test_a_block_whose_sublayers_build_on_first_call_is_copied_saved_and_stripped(tmp_path):
+    tokens = keras.Input((6,), dtype="int32")
+    h = _LazyTransformerBlock(8, 2, 16, name="block")(keras.layers.Embedding(50, 8)(tokens))
+    model = keras.Model(tokens, keras.layers.Dense(4, name="out")(h))
+    x = np.random.default_rng(0).integers(0, 50, size=(3, 6))
+    block = model.get_layer("block")
+    axes = {"block": {p.split("block/", 1)[-1]: 0 for p in (
+        block.att.query_dense.kernel.path, block.att.key_dense.kernel.path,
+        block.att.value_dense.kernel.path, *(d.kernel.path for d in block.ffn.layers))},
+        "out": {"kernel": 0}}
+    axes["block"][block.att.output_dense.kernel.path.split("block/", 1)[-1]] = 1
+    reference = masked_copy(model, axes)(x)
+
+    pruned = ts.prune(model)
+    assert sorted(len(w.pruned_weights) for w in ts.pruned_layers(pruned)) == [1, 6]
+    np.testing.assert_allclose(pruned(x), reference, rtol=1e-5, atol=1e-5)
+    path = str(tmp_path / "lazy.keras")
+    pruned.save(path)
+    copies = {"load_model": keras.models.load_model(path), "strip": ts.strip(pruned),
+              "prune again": ts.prune(pruned), "permute": ts.permute(model, progress=False)[0]}
+    for name, copy in copies.items():
+        want = model(x) if name == "permute" else reference
+        np.testing.assert_allclose(copy(x), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert not ts.pruned_layers(copies["strip"])
+    stripped = copies["strip"].get_layer("block")
+    for kernel in (stripped.att.query_dense.kernel, stripped.ffn.layers[0].kernel):
+        assert ts.is_nm_sparse(kernel, "2:4", axis=0)

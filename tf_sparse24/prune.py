@@ -234,8 +234,34 @@ def _copy_own_variables(source: keras.layers.Layer, target: keras.layers.Layer) 
         variable.assign(value)
 
 
-def _copy_layer(layer):
-    """A fresh instance of `layer` with the same config, build and state.
+def _build_by_first_call(called: keras.layers.Layer, new: keras.layers.Layer) -> None:
+    """Builds the sublayers of `new` that its build() leaves to the first call, as Keras' own
+    examples' TransformerBlock does (it has no build(): its attention and Dense layers make their
+    weights when first called), by tracing `new` on symbolic inputs shaped like the first call
+    `called` got in its model. A layer never called in a graph is left as it is."""
+    nodes = getattr(called, "_inbound_nodes", None)
+    if not nodes:
+        return
+
+    def symbolic(value):
+        if isinstance(value, keras.KerasTensor):
+            return keras.KerasTensor(value.shape, value.dtype, sparse=value.sparse,
+                                     ragged=value.ragged)
+        return value
+
+    arguments = nodes[0].arguments
+    args = keras.tree.map_structure(symbolic, arguments.args)
+    kwargs = keras.tree.map_structure(symbolic, arguments.kwargs)
+    # The layer's own __call__ (a Sparse24 wrapper builds its masks there), then the node it
+    # recorded for these detached inputs is dropped: the copy's only call is the one its model makes.
+    known = len(new._inbound_nodes)
+    new(*args, **kwargs)
+    del new._inbound_nodes[known:]
+
+
+def _copy_layer(layer, called_as: keras.layers.Layer | None = None):
+    """A fresh instance of `layer` with the same config, build and state. `called_as`: the layer
+    whose calls in the model are this one's (a wrapper's, for the layer it wraps).
 
     Functional graphs also hold stateless operations (`h[:, 0]` becomes a `GetItem` node): those
     are copied from their config alone. A `Lambda` layer is shared, not copied: it holds no state,
@@ -255,6 +281,8 @@ def _copy_layer(layer):
     if isinstance(layer, keras.layers.Layer) and layer.built:
         if layer.weights and not new.built:  # some layers build in __init__ (keras_hub decoders)
             new.build_from_config(layer.get_build_config())
+        if len(new.weights) < len(layer.weights):
+            _build_by_first_call(called_as or layer, new)
         if shared := {id(v) for v in new.weights} & {id(v) for v in layer.weights}:
             names = [v.path for v in layer.weights if id(v) in shared]
             raise TypeError(
@@ -503,7 +531,7 @@ def strip(model: keras.Model) -> keras.Model:
     def clone(layer):
         if not isinstance(layer, Sparse24):
             return _copy_layer(layer)
-        new = _copy_layer(layer.layer)
+        new = _copy_layer(layer.layer, called_as=layer)
         effective = {id(pw.variable): layer.effective_weight(pw) for pw in layer.pruned_weights}
         new.set_weights(
             [np.asarray(effective.get(id(v), v)) for v in layer.layer.weights]

@@ -319,7 +319,8 @@ class Sparse24(keras.layers.Wrapper):
         }
 
     def __call__(self, *args, **kwargs):
-        if not self.layer.built:
+        waiting = self._weights_wait_for_first_call()
+        if not self.layer.built or waiting:
             # Multi-input layers (MHA) build from their own call signature. A symbolic call builds
             # without running the forward, whose state updates (moving statistics, RNN states)
             # would otherwise happen twice on a first eager call. Inputs it cannot stand for
@@ -331,8 +332,10 @@ class Sparse24(keras.layers.Wrapper):
                 with contextlib.suppress(Exception):  # the real call below raises what is real
                     self.layer(*symbolic[0], **symbolic[1])
                     traced = True
-            if not (traced and self.layer.built):
+            if not (traced and self.layer.built and not self._weights_wait_for_first_call()):
                 self.layer(*args, **kwargs)
+        if waiting and self.built:  # Keras marks a layer built once build_from_config returns
+            self.build()
         return super().__call__(*args, **kwargs)
 
     def compute_output_shape(self, *args, **kwargs):
@@ -369,7 +372,19 @@ class Sparse24(keras.layers.Wrapper):
     def build_from_config(self, config):
         if not self.layer.built and config and config.get("layer"):
             self.layer.build_from_config(config["layer"])
-        self.build()
+        if not self._weights_wait_for_first_call():
+            self.build()  # else the first call builds the layer's sublayers, then this wrapper
+
+    def _weights_wait_for_first_call(self) -> bool:
+        """True when the wrapped layer is built but the weights this wrapper prunes are not made
+        yet: a block without a build() (Keras' examples' TransformerBlock) makes its sublayers'
+        weights when first called, and a saved model is made again from its config."""
+        if not self.layer.built or self._spec is None or self.pruned_weights:
+            return False
+        if self._positions is not None:
+            return max(self._positions, default=-1) >= len(self.layer.variables)
+        known = relative_variables(self.layer).keys() | scope_relative_variables(self.layer).keys()
+        return any(path not in known for path in self._spec)
 
     def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
         """The exactly-N:M weight the forward uses: `variable * mask`."""
