@@ -1091,3 +1091,95 @@ def test_a_block_whose_sublayers_build_on_first_call_is_copied_saved_and_strippe
     stripped = copies["strip"].get_layer("block")
     for kernel in (stripped.att.query_dense.kernel, stripped.ffn.layers[0].kernel):
         assert ts.is_nm_sparse(kernel, "2:4", axis=0)
+
+
+@keras.saving.register_keras_serializable("test_prune")
+class _HalfBuilt(keras.layers.Layer):
+    """Its build() builds the second Dense only; the first makes its weights when first called."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.lazy = keras.layers.Dense(units)
+        self.eager = keras.layers.Dense(units)
+
+    def build(self, shape):
+        self.eager.build(shape)
+
+    def call(self, x):
+        return self.eager(x) + 2.0 * self.lazy(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@keras.saving.register_keras_serializable("test_prune")
+class _DenseThenDropout(keras.layers.Layer):
+    """No build(); Dropout's seed state exists before the Dense's kernel does."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.dense = keras.layers.Dense(units)
+        self.drop = keras.layers.Dropout(0.1)
+
+    def call(self, x, training=None):
+        return self.drop(self.dense(x), training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@pytest.mark.parametrize("make", [_HalfBuilt, _DenseThenDropout])
+def test_a_partly_lazy_blocks_masks_load_onto_the_weights_they_were_made_for(make, tmp_path):
+    """The wrapper waits for its layer's first call until the layer has all the variables it had
+    when saved: masks are matched to weights by position in that full list."""
+    inputs = keras.Input((8,))
+    block = make(name="block")
+    model = keras.Model(inputs, block(inputs))
+    x = RNG.normal(size=(4, 8)).astype("float32")
+    skip = [block.eager] if make is _HalfBuilt else None
+    lazy = block.lazy if make is _HalfBuilt else block.dense
+    kernel = lazy.kernel.numpy()
+    reference = masked_copy(model, {"block": {lazy.kernel.path.split("block/", 1)[-1]: 0}})(x)
+
+    pruned = ts.prune(model, skip=skip)
+    path = str(tmp_path / "partly_lazy.keras")
+    pruned.save(path)
+    loaded = keras.models.load_model(path)
+
+    for copy in (pruned, loaded, ts.prune(pruned, skip=skip)):
+        (wrapper,) = ts.pruned_layers(copy)
+        (pw,) = wrapper.pruned_weights
+        np.testing.assert_array_equal(pw.variable.numpy(), kernel)  # the same weight, masked
+        np.testing.assert_allclose(copy(x), reference, rtol=1e-5, atol=1e-5)
+
+
+@keras.saving.register_keras_serializable("test_prune")
+class _Optional(keras.layers.Layer):
+    """No build(); its feed-forward Dense runs only when asked."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.proj = keras.layers.Dense(units)
+        self.ffn = keras.layers.Dense(units)
+
+    def call(self, x, use_ffn=False):
+        x = self.proj(x)
+        return x + self.ffn(x) if use_ffn else x
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def test_a_shared_block_whose_first_call_leaves_weights_unmade_is_refused_before_pruning():
+    inputs = keras.Input((8,))
+    block = _Optional(name="block")
+    model = keras.Model(inputs, block(block(inputs), use_ffn=True))
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(TypeError, match=r"layer 'block' \(_Optional\): its first call .* build\(\)"):
+        ts.prune(model)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+    ts.strip(model)  # copies that are not wrapped are made by replaying its calls
+    ts.permute(model, progress=False)

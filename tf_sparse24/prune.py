@@ -234,34 +234,60 @@ def _copy_own_variables(source: keras.layers.Layer, target: keras.layers.Layer) 
         variable.assign(value)
 
 
-def _build_by_first_call(called: keras.layers.Layer, new: keras.layers.Layer) -> None:
-    """Builds the sublayers of `new` that its build() leaves to the first call, as Keras' own
-    examples' TransformerBlock does (it has no build(): its attention and Dense layers make their
-    weights when first called), by tracing `new` on symbolic inputs shaped like the first call
-    `called` got in its model. A layer never called in a graph is left as it is."""
-    nodes = getattr(called, "_inbound_nodes", None)
-    if not nodes:
-        return
+def symbolic_arguments(arguments) -> tuple[list, dict, list[keras.KerasTensor]]:
+    """A call's arguments (a Keras node's) with each Keras tensor replaced by a new model input of
+    its shape and dtype, and those inputs in argument order (positional, then keyword).
+
+    Raises:
+        TypeError: for a container other than a list, tuple or dict (a namedtuple).
+    """
+    inputs = []
 
     def symbolic(value):
         if isinstance(value, keras.KerasTensor):
-            return keras.KerasTensor(value.shape, value.dtype, sparse=value.sparse,
-                                     ragged=value.ragged)
+            inputs.append(keras.Input(batch_shape=value.shape, dtype=value.dtype,
+                                      sparse=value.sparse, ragged=value.ragged))
+            return inputs[-1]
+        if type(value) in (list, tuple):
+            return type(value)(map(symbolic, value))
+        if type(value) is dict:
+            return {k: symbolic(v) for k, v in value.items()}
+        if keras.tree.is_nested(value):
+            raise TypeError(f"an argument of type {type(value).__name__}")
         return value
 
-    arguments = nodes[0].arguments
-    args = keras.tree.map_structure(symbolic, arguments.args)
-    kwargs = keras.tree.map_structure(symbolic, arguments.kwargs)
-    # The layer's own __call__ (a Sparse24 wrapper builds its masks there), then the node it
-    # recorded for these detached inputs is dropped: the copy's only call is the one its model makes.
-    known = len(new._inbound_nodes)
-    new(*args, **kwargs)
-    del new._inbound_nodes[known:]
+    args = [symbolic(a) for a in arguments.args]
+    return args, {k: symbolic(v) for k, v in arguments.kwargs.items()}, inputs
 
 
-def _copy_layer(layer, called_as: keras.layers.Layer | None = None):
+def _build_by_first_call(called: keras.layers.Layer, new: keras.layers.Layer, weights: int,
+                         training: bool = False) -> int:
+    """Builds the sublayers of `new` that its build() leaves to the first call, as Keras' own
+    examples' TransformerBlock does (it has no build(): its attention and Dense layers make their
+    weights when first called), by tracing `new` on symbolic inputs shaped like the first call
+    `called` got in its model, and its later calls (a shared layer) until `new` has `weights`
+    weights or has no unbuilt sublayer left (`training`: in training mode, for layers only
+    training runs). A layer never called in a graph is left as it is. Returns how many calls it
+    took."""
+    calls = 0
+    for node in getattr(called, "_inbound_nodes", []):  # a shared layer: until all are built
+        if len(new.weights) >= weights or all(sub.built for sub in walk_layers(new)):
+            break
+        calls += 1
+        args, kwargs, _ = symbolic_arguments(node.arguments)
+        # The layer's own __call__ (a Sparse24 wrapper builds its masks there), then the node it
+        # recorded for these detached inputs is dropped: the copy's only calls are its model's.
+        known = len(new._inbound_nodes)
+        new(*args, **({**kwargs, "training": True} if training else kwargs))
+        del new._inbound_nodes[known:]
+    return calls
+
+
+def _copy_layer(layer, called_as: keras.layers.Layer | None = None, to_wrap: bool = False):
     """A fresh instance of `layer` with the same config, build and state. `called_as`: the layer
-    whose calls in the model are this one's (a wrapper's, for the layer it wraps).
+    whose calls in the model are this one's (a wrapper's, for the layer it wraps). `to_wrap`: the
+    copy gets a `Sparse24` wrapper, which a `.keras` file or config makes again from the layer's
+    config and its first call only: a layer that needs more to be built is refused.
 
     Functional graphs also hold stateless operations (`h[:, 0]` becomes a `GetItem` node): those
     are copied from their config alone. A `Lambda` layer is shared, not copied: it holds no state,
@@ -280,9 +306,22 @@ def _copy_layer(layer, called_as: keras.layers.Layer | None = None):
         ) from err
     if isinstance(layer, keras.layers.Layer) and layer.built:
         if layer.weights and not new.built:  # some layers build in __init__ (keras_hub decoders)
-            new.build_from_config(layer.get_build_config())
-        if len(new.weights) < len(layer.weights):
-            _build_by_first_call(called_as or layer, new)
+            with warnings.catch_warnings():  # a layer without build(): the first call builds it
+                warnings.filterwarnings("ignore", "`build\\(\\)` was called on layer")
+                new.build_from_config(layer.get_build_config())
+        calls = 0
+        for training in (False, True):  # then the layers only training runs
+            if len(new.weights) < len(layer.weights) and (
+                    not training or "training" in new.call_signature_parameters):
+                calls += _build_by_first_call(called_as or layer, new, len(layer.weights),
+                                              training)
+        if to_wrap and calls > 1:
+            raise TypeError(
+                f"Cannot prune layer {layer.name!r} ({type(layer).__name__}): its first call "
+                "in the model does not make all its weights (its build() does not build every "
+                "sublayer, and a later or training call uses more of them), so the pruned model "
+                "could be saved but not loaded. Give it a build() that builds all its sublayers."
+            )
         if shared := {id(v) for v in new.weights} & {id(v) for v in layer.weights}:
             names = [v.path for v in layer.weights if id(v) in shared]
             raise TypeError(
@@ -357,7 +396,8 @@ def prune(
     reached = set()
 
     def clone(layer):
-        new = _copy_layer(layer)
+        wraps = any(id(sub) in plan for sub in [layer, *walk_layers(layer)])
+        new = _copy_layer(layer, to_wrap=wraps)
         _assign_masks(layer, new, existing)
         spec = _planned_weights(layer, new, plan, reached)
         if not spec:

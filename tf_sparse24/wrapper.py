@@ -161,6 +161,9 @@ class Sparse24(keras.layers.Wrapper):
         weight_positions: set by `get_config`: the positions of those weights in
             `layer.variables`. A path holds sublayer names, and automatic ones ("dense_5") differ
             when the layer is made again from its config; positions do not.
+        layer_variables: set by `get_config`: how many variables `layer` had. A layer made again
+            from its config whose sublayers make their weights when first called (a block without
+            a `build()`) has fewer until then, and the masks wait for that call.
 
     Example:
         >>> layer = Sparse24(keras.layers.Dense(8))
@@ -174,6 +177,7 @@ class Sparse24(keras.layers.Wrapper):
         pattern: str = "2:4",
         weights: dict[str, int] | None = None,
         weight_positions: list[int] | None = None,
+        layer_variables: int | None = None,
         **kwargs,
     ):
         parse_pattern(pattern)
@@ -189,6 +193,7 @@ class Sparse24(keras.layers.Wrapper):
         self._mirror_call_signature(layer)
         self._spec = dict(weights) if weights is not None else None
         self._positions = list(weight_positions) if weight_positions is not None else None
+        self._layer_variables = layer_variables
         self.pruned_weights: list[PrunedWeight] = []
         # Where the masks came from, as far as this process saw: "ones" (made so), "prune()",
         # "update_masks()" or "loaded" (a file). Not saved, and not updated by assignments to the
@@ -255,6 +260,7 @@ class Sparse24(keras.layers.Wrapper):
         _check_masks_apply(self.layer, [pw.variable for pw in self.pruned_weights])
         position = {id(v): i for i, v in enumerate(self.layer.variables)}
         self._positions = [position[id(pw.variable)] for pw in self.pruned_weights]
+        self._layer_variables = len(position)
         self.built = True
 
     def _lookup_dependency(self, name, cached_dependencies=None):
@@ -301,6 +307,15 @@ class Sparse24(keras.layers.Wrapper):
         path_of = {id(v): p for p, v in variables.items()}
         if self._positions is not None:
             layer_variables = self.layer.variables
+            if self._layer_variables not in (None, len(layer_variables)):
+                raise ValueError(
+                    f"Sparse24: layer {self.layer.name!r} has {len(layer_variables)} variables, "
+                    f"not the {self._layer_variables} it had when this wrapper was saved, so "
+                    f"weight_positions={self._positions} cannot be matched to weights="
+                    f"{self._spec}. A layer without a build() that builds every sublayer makes "
+                    "some weights only in the calls that use them (a shared block first called "
+                    "without some of its sublayers): give it a build() that builds them all."
+                )
             if len(self._positions) != len(self._spec) or not all(
                 0 <= i < len(layer_variables) for i in self._positions
             ):
@@ -376,15 +391,12 @@ class Sparse24(keras.layers.Wrapper):
             self.build()  # else the first call builds the layer's sublayers, then this wrapper
 
     def _weights_wait_for_first_call(self) -> bool:
-        """True when the wrapped layer is built but the weights this wrapper prunes are not made
-        yet: a block without a build() (Keras' examples' TransformerBlock) makes its sublayers'
-        weights when first called, and a saved model is made again from its config."""
-        if not self.layer.built or self._spec is None or self.pruned_weights:
-            return False
-        if self._positions is not None:
-            return max(self._positions, default=-1) >= len(self.layer.variables)
-        known = relative_variables(self.layer).keys() | scope_relative_variables(self.layer).keys()
-        return any(path not in known for path in self._spec)
+        """True when the wrapped layer is built but has fewer variables than when this wrapper's
+        config was saved: a block without a build() (Keras' examples' TransformerBlock), made
+        again from its config, makes its sublayers' weights when first called (positions index
+        the full list: they are read only then)."""
+        return (self.layer.built and not self.pruned_weights and self._layer_variables is not None
+                and len(self.layer.variables) < self._layer_variables)
 
     def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
         """The exactly-N:M weight the forward uses: `variable * mask`."""
@@ -426,4 +438,5 @@ class Sparse24(keras.layers.Wrapper):
             "pattern": self.pattern,
             "weights": self._spec,
             "weight_positions": self._positions,
+            "layer_variables": self._layer_variables,
         }
