@@ -3,7 +3,8 @@
 For each keras.applications model, or one of the transformers built here (`ViT`: patch conv,
 learned positions, pre-LayerNorm blocks of MultiHeadAttention and a GELU MLP, 4 blocks of width 64;
 `TextTransformer`: examples/text_transformer.py's model; `Llama`: RMSNorm, grouped-query causal
-attention and SwiGLU blocks) (random weights: nothing is downloaded;
+attention and SwiGLU blocks; `KerasExample`: keras.io's text-classification transformer, whose
+embedding and block are custom layers) (random weights: nothing is downloaded;
 32x32x3 inputs unless --size says otherwise, 10 classes; every 1-D weight (biases, BatchNorm and
 LayerNorm parameters and statistics, LayerScale) randomized so that a misaligned channel would show;
 float64 so that rounding does not hide one): the channel spaces permuted and skipped (with the most
@@ -16,7 +17,7 @@ permuted copy.
     .venv/bin/python bench/permute_coverage.py                        # ResNet50 MobileNetV2 EfficientNetB0
     .venv/bin/python bench/permute_coverage.py Xception --size 71     # Xception needs >= 71x71
     .venv/bin/python bench/permute_coverage.py --as-base MobileNetV2  # nested, as in fine-tuning
-    .venv/bin/python bench/permute_coverage.py ViT TextTransformer Llama
+    .venv/bin/python bench/permute_coverage.py ViT TextTransformer Llama KerasExample
 """
 
 from __future__ import annotations
@@ -85,6 +86,51 @@ def llama(depth: int = 2, dim: int = 64, vocab: int = 1000, tokens: int = 16) ->
     return keras.Model(ids, layers.Dense(vocab, use_bias=False, name="lm_head")(x), name="llama")
 
 
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """Token table plus a position table looked up at 0 .. length-1, as keras.io's "Text
+    classification with Transformer" example writes it (a custom layer, no get_config())."""
+
+    def __init__(self, maxlen: int, vocab_size: int, embed_dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.token_emb = keras.layers.Embedding(vocab_size, embed_dim)
+        self.pos_emb = keras.layers.Embedding(maxlen, embed_dim)
+
+    def call(self, x):
+        positions = self.pos_emb(keras.ops.arange(keras.ops.shape(x)[-1]))
+        return self.token_emb(x) + positions
+
+
+class TransformerBlock(keras.layers.Layer):
+    """That example's encoder block: a custom layer with no build() (its sublayers make their
+    weights when first called): self-attention, dropout, add & norm, a Sequential FFN."""
+
+    def __init__(self, embed_dim: int, num_heads: int, ff_dim: int, rate: float = 0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.att = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential([keras.layers.Dense(ff_dim, activation="relu"),
+                                     keras.layers.Dense(embed_dim)])
+        self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.drop1, self.drop2 = keras.layers.Dropout(rate), keras.layers.Dropout(rate)
+
+    def call(self, inputs, training=False):
+        x = self.norm1(inputs + self.drop1(self.att(inputs, inputs), training=training))
+        return self.norm2(x + self.drop2(self.ffn(x), training=training))
+
+
+def keras_example(maxlen: int = 200, vocab: int = 2000) -> keras.Model:
+    """keras.io's text-classification transformer (embed 32, 2 heads, FFN 32; vocabulary 2000
+    instead of 20000 to keep it quick): its blocks are custom layers, so permute() has to follow
+    their calls."""
+    layers = keras.layers
+    ids = keras.Input((maxlen,), dtype="int32")
+    x = TransformerBlock(32, 2, 32, name="block")(
+        TokenAndPositionEmbedding(maxlen, vocab, 32, name="embed")(ids))
+    x = layers.Dropout(0.1)(layers.GlobalAveragePooling1D()(x))
+    x = layers.Dropout(0.1)(layers.Dense(20, activation="relu")(x))
+    return keras.Model(ids, layers.Dense(2, activation="softmax")(x), name="keras_example")
+
+
 def text_transformer() -> keras.Model:
     """examples/text_transformer.py's model: Embedding, self-attention, FFN, mean, logits."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
@@ -99,9 +145,11 @@ def build(name: str, size: int, as_base: bool, rng: np.random.Generator) -> tupl
     images = rng.normal(size=(2, *shape))
     if name == "ViT":
         return vit(size), images, name
-    if name in ("TextTransformer", "Llama"):
-        model = text_transformer() if name == "TextTransformer" else llama()
-        vocab = model.get_layer("embed").input_dim
+    if name in ("TextTransformer", "Llama", "KerasExample"):
+        model = {"TextTransformer": text_transformer, "Llama": llama,
+                 "KerasExample": keras_example}[name]()
+        embed = model.get_layer("embed")
+        vocab = getattr(embed, "input_dim", None) or embed.token_emb.input_dim
         return model, rng.integers(0, vocab, (2, model.input.shape[1])), name
     if as_base:
         base = getattr(keras.applications, name)(weights=None, input_shape=shape, include_top=False)

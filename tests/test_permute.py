@@ -6,6 +6,7 @@ import re
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tf_sparse24 import prune
 from tf_sparse24.permute import (
@@ -19,6 +20,7 @@ from tf_sparse24.permute import (
     permute,
     search_permutation,
 )
+from tf_sparse24.prune import walk_layers
 
 
 def _kept_reference(matrix, perm):
@@ -1166,8 +1168,8 @@ def test_permute_reorders_value_channels_within_each_attention_head():
 
 @keras.saving.register_keras_serializable(package="test_permute")
 class _EncoderBlock(keras.layers.Layer):
-    """A transformer block as a custom layer (the Keras examples' TransformerBlock): permute()
-    cannot follow channels through it, but reaches the attention layer inside."""
+    """A transformer block as a custom layer with its own build(): permute() follows its call
+    and reaches the attention layer inside."""
 
     def __init__(self, heads=2, key_dim=8, **kwargs):
         super().__init__(**kwargs)
@@ -1286,7 +1288,9 @@ def test_permute_applies_keras_rules_to_keras_classes_only():
     _assert_same_function(model, permuted, np.random.default_rng(55).integers(0, 20, (4, 6)))
     report_of = {c: r for r in reports for c in r.consumers}
     assert "'embed' (Embedding), which cannot be permuted" in report_of["d0"].reason
-    assert "'mha' (MultiHeadAttention), which combines several inputs" in report_of["d1"].reason
+    # Its call is followed (a custom layer): the channels stop at its first einsum.
+    assert re.search(r"'mha/einsum\w*' \(keras op Einsum\), which combines several inputs",
+                     report_of["d1"].reason)
     assert not any(r.heads for r in reports)
 
 
@@ -1391,3 +1395,282 @@ def test_permute_names_attention_layers_by_their_whole_path_and_selects_by_it():
         _, reports = permute(model, kicks=1, progress=False, layers=selector)
         assert sorted(c for r in reports if r.permuted for c in r.consumers) == [
             "inner/inner_d", "inner/inner_mha", "inner/inner_mha"]
+
+
+class _TransformerBlock(keras.layers.Layer):
+    """Keras' own text-classification example's TransformerBlock, as written there: no build()
+    (the sublayers make their weights when first called), no get_config(), dropout and a
+    Sequential feed-forward network."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.att = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential([keras.layers.Dense(ff_dim, activation="relu"),
+                                     keras.layers.Dense(embed_dim)])
+        self.layernorm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = keras.layers.Dropout(rate)
+        self.dropout2 = keras.layers.Dropout(rate)
+
+    def call(self, inputs, training=False):
+        attn_output = self.dropout1(self.att(inputs, inputs), training=training)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.dropout2(self.ffn(out1), training=training)
+        return self.layernorm2(out1 + ffn_output)
+
+
+def test_permute_follows_the_residual_stream_through_a_custom_transformer_block():
+    tokens = keras.Input((6,), dtype="int32")
+    x = keras.layers.Embedding(20, 16, name="embed")(tokens)
+    x = _TransformerBlock(16, 2, 32, name="block")(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    model = keras.Model(tokens, keras.layers.Dense(4, name="out")(
+        keras.layers.Dense(16, activation="relu", name="fc")(x)))
+    _randomize(model, seed=60)
+    block = model.get_layer("block")
+    nodes = [(len(layer._inbound_nodes), len(layer._outbound_nodes))
+             for layer in walk_layers(model)]
+    weights = [w.copy() for w in model.get_weights()]
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, np.random.default_rng(61).integers(0, 20, (4, 6)))
+    by_producers = {r.producers: r for r in reports if r.permuted and not r.heads}
+    ffn = [f"block/{block.ffn.name}/{layer.name}" for layer in block.ffn.layers]
+    stream = by_producers[("embed", f"block/{block.att.name}", ffn[1])]
+    assert stream.consumers == (f"block/{block.att.name}", ffn[0], "fc")
+    assert by_producers[(ffn[0],)].consumers == (ffn[1],)  # the feed-forward hidden channels
+    assert [r.permuted for r in reports if r.heads] == [True]
+    copy = permuted.get_layer("block")
+    assert not np.array_equal(copy.ffn.layers[0].kernel.numpy(), block.ffn.layers[0].kernel)
+    # The caller's model is as it was: weights, and the Keras nodes the trace recorded.
+    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+    assert nodes == [(len(layer._inbound_nodes), len(layer._outbound_nodes))
+                     for layer in walk_layers(model)]
+
+
+class _TrainingOnlyBranch(keras.layers.Layer):
+    """Runs a Dense on the stream only when training: following its inference call alone would
+    leave that Dense's kernel in the old channel order."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(16)
+        self.extra = keras.layers.Dense(16)
+
+    def call(self, x, training=None):
+        y = self.proj(x)
+        return y + self.extra(x) if training else y
+
+
+class _OwnScale(keras.layers.Layer):
+    """Holds a Dense and a weight of its own, which its call uses on the channels."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(16)
+
+    def build(self, shape):
+        self.proj.build(shape)
+        self.scale = self.add_weight(shape=(16,), initializer="ones")
+
+    def call(self, x):
+        return self.proj(x) * self.scale
+
+
+class _Masked(keras.layers.Layer):
+    """Takes a Keras mask: Keras passes one that the symbolic call would not."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(16)
+
+    def call(self, x, mask=None):
+        return self.proj(x)
+
+
+class _NotSymbolic(keras.layers.Layer):
+    """Calls a TensorFlow function on its input, which a Keras symbolic tensor cannot enter."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(16)
+
+    def call(self, x):
+        return self.proj(tf.math.cumsum(x, axis=1))
+
+
+@pytest.mark.parametrize("make, why", [
+    (_TrainingOnlyBranch, "it runs other layers when training"),
+    (_OwnScale, "it has weights of its own"),
+    (_Masked, "its call takes a Keras mask"),
+    (_NotSymbolic, "its call could not be followed"),
+])
+def test_permute_names_why_a_custom_layers_call_is_not_followed(make, why):
+    inputs = keras.Input((5, 16))
+    h = keras.layers.Dense(16, name="d0")(inputs)
+    x = keras.layers.Add()([h, make(name="block")(h)])  # its input and output: one space
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d1")(x))
+    x = _x(3, 5, 16, seed=63)
+    model(x, training=True)  # builds a layer run only when training
+    _randomize(model, seed=62)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, x)
+    np.testing.assert_allclose(permuted(x, training=True), model(x, training=True),
+                               rtol=1e-5, atol=1e-5)
+    (report,) = [r for r in reports if r.consumers == ("d1",)]
+    assert not report.permuted
+    assert f"'block' ({make.__name__}), which cannot be permuted ({why}" in report.reason
+
+
+class _CrossBlock(keras.layers.Layer):
+    """Two streams in: `x` attends to `context` (Keras' examples' decoder blocks)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.cross = keras.layers.MultiHeadAttention(2, 8, name="cross")
+        self.norm = keras.layers.LayerNormalization(name="norm")
+
+    def call(self, x, context):
+        return self.norm(x + self.cross(x, context))
+
+
+def test_permute_follows_each_tensor_input_of_a_custom_layer_to_its_own_space():
+    x_in, c_in = keras.Input((5, 16)), keras.Input((7, 12))
+    x = keras.layers.Dense(16, name="dx")(x_in)
+    context = keras.layers.Dense(12, name="dc")(c_in)
+    h = _CrossBlock(name="block")(x, context)
+    model = keras.Model([x_in, c_in], keras.layers.Dense(4, name="out")(
+        keras.layers.Dense(16, name="fc")(h)))
+    _randomize(model, seed=64)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, [_x(3, 5, 16, seed=65), _x(3, 7, 12, seed=66)])
+    spaces = {r.producers: (r.consumers, r.channels) for r in reports if r.permuted}
+    assert spaces[("dx", "block/cross")] == (("block/cross", "fc"), 16)  # query and residual
+    assert spaces[("dc",)] == (("block/cross",), 12)  # key and value
+
+
+class _TokenAndPosition(keras.layers.Layer):
+    """keras.io's TokenAndPositionEmbedding: a position table looked up at 0 .. length-1 (outside
+    what a symbolic call can follow) added to the token table's rows."""
+
+    def __init__(self, length, vocab, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.token_emb = keras.layers.Embedding(vocab, dim)
+        self.pos_emb = keras.layers.Embedding(length, dim)
+
+    def call(self, x):
+        return self.token_emb(x) + self.pos_emb(keras.ops.arange(keras.ops.shape(x)[-1]))
+
+
+class _MixedEmbedding(_TokenAndPosition):
+    """Mixes the channels after the lookup (weights [C, C]): its output channels do not follow
+    its weights' order."""
+
+    def build(self, shape):
+        self.token_emb.build(shape)
+        self.pos_emb.build(shape)
+        self.mix = self.add_weight(shape=(self.token_emb.output_dim,) * 2)
+
+    def call(self, x):
+        return keras.ops.matmul(super().call(x), self.mix)
+
+
+def test_permute_finds_by_a_trial_run_a_custom_layer_that_produces_channels_from_its_tables():
+    def model_of(embedding):
+        tokens = keras.Input((6,), dtype="int32")
+        x = _TransformerBlock(16, 2, 32, name="block")(embedding(tokens))
+        return keras.Model(tokens, keras.layers.Dense(4, name="out")(
+            keras.layers.GlobalAveragePooling1D()(x)))
+
+    data = np.random.default_rng(71).integers(0, 20, (4, 6))
+    for embedding, producer in ((_TokenAndPosition(6, 20, 16, name="embed"), True),
+                                (_MixedEmbedding(6, 20, 16, name="embed"), False)):
+        model = model_of(embedding)
+        _randomize(model, seed=70)
+
+        permuted, reports = permute(model, kicks=1, progress=False)
+
+        _assert_same_function(model, permuted, data)
+        (stream,) = [r for r in reports if "out" in r.consumers]
+        assert stream.permuted == producer, stream.reason
+        if producer:  # both tables' columns reordered, alike
+            assert stream.producers[0] == "embed"
+            copy, original = permuted.get_layer("embed"), model.get_layer("embed")
+            order = [np.flatnonzero((original.token_emb.embeddings.numpy()[:, [c]] ==
+                                     copy.token_emb.embeddings.numpy()).all(0))[0]
+                     for c in range(16)]
+            assert sorted(order) == list(range(16)) and order != list(range(16))
+            np.testing.assert_array_equal(copy.pos_emb.embeddings.numpy()[:, order],
+                                          original.pos_emb.embeddings.numpy())
+        else:
+            assert "'embed' (_MixedEmbedding), which cannot be permuted" in stream.reason
+
+
+@keras.saving.register_keras_serializable(package="test_permute")
+def _quick_gelu(x):
+    """A custom elementwise activation (CLIP's): not a Keras built-in, passes the trial run."""
+    return x * keras.ops.sigmoid(1.702 * x)
+
+
+def test_permute_follows_a_custom_activation_that_acts_channel_by_channel():
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(16, activation=_quick_gelu, name="d0")(inputs)
+    x = keras.layers.Activation(_quick_gelu, name="act")(keras.layers.Dense(16, name="d1")(x))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d2")(x))
+    _randomize(model, seed=72)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(5, 16, seed=73))
+    assert [r.producers for r in reports if r.permuted] == [("d0",), ("d1",)]
+
+
+@pytest.mark.parametrize("tie_weights", [True, False])
+def test_permute_takes_a_reversible_embedding_as_a_producer_when_it_is_one(tie_weights):
+    # Keras' ReversibleEmbedding has no rule here: the trial run finds that reordering its table's
+    # columns reorders its output. Untied, its reverse kernel [C, vocab] fails the run's shape rule.
+    tokens = keras.Input((6,), dtype="int32")
+    x = keras.layers.ReversibleEmbedding(20, 16, tie_weights=tie_weights, name="embed")(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(4, name="out")(keras.layers.Dense(16)(x)))
+    _randomize(model, seed=74)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, np.random.default_rng(75).integers(0, 20, (4, 6)))
+    (stream,) = [r for r in reports if r.producers == ("embed",) or "'embed'" in r.reason]
+    assert stream.permuted == tie_weights
+
+
+class _CausalBlock(keras.layers.Layer):
+    """Builds a [length, length] mask from its input's shape, which a symbolic input of unknown
+    length cannot give: followed with the lengths set (as keras_hub's decoders need)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(16, name="proj")
+
+    def call(self, x):
+        length = keras.ops.shape(x)[1]
+        causal = keras.ops.tril(keras.ops.ones((length, length)))
+        return self.proj(keras.ops.einsum("st,btc->bsc", causal, x))
+
+
+def test_permute_follows_a_custom_layer_that_needs_known_lengths():
+    inputs = keras.Input((None, 16))
+    x = keras.layers.Dense(16, name="d0")(inputs)
+    x = keras.layers.Dense(16, name="d1")(_CausalBlock(name="block")(x))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d2")(x))
+    _randomize(model, seed=76)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(2, 7, 16, seed=77))
+    spaces = {r.producers: r.consumers for r in reports if r.permuted}
+    assert spaces == {("block/proj",): ("d1",), ("d1",): ("d2",)}
+    (stopped,) = [r.reason for r in reports if r.consumers == ("block/proj",)]
+    assert re.search(r"'block/einsum(_\d+)?' \(keras op Einsum\)", stopped)  # mixes over time

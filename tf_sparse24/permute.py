@@ -27,6 +27,7 @@ orientation.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -51,9 +52,10 @@ from tf_sparse24.prune import (
     _selector_list,
     _sublayers,
     clone_graph,
+    symbolic_arguments,
     walk_layers,
 )
-from tf_sparse24.registry import einsum_axis, einsum_parts
+from tf_sparse24.registry import einsum_axis, einsum_parts, own_variables
 from tf_sparse24.wrapper import Sparse24
 
 _EPS = 1e-6  # gains below this (in summed |w|) are noise: stop searching
@@ -498,7 +500,9 @@ class _Graph(NamedTuple):
     consumers: dict[str, list[str]]  # the operations that read each one's output
     outputs: set[str]  # operations whose output is a model output
     hidden: set[str]  # layers also used inside another layer (a nested model): calls not seen here
-    probed: dict[str, bool]  # `_probe` results by layer name, filled as the walk asks
+    probed: dict[str, bool]  # `_probe` results by 'name:carries' / 'name:produces', filled as asked
+    unfollowed: dict[str, str]  # custom layers whose call was not followed, and why
+    input_names: list[str]  # a Functional model's input layers, in order ([] for Sequential)
 
 
 def _tensor_specs(obj) -> list[dict]:
@@ -551,6 +555,7 @@ def _graph(model: keras.Model) -> _Graph:
                   for layer in model.layers}
         calls = {}
         outputs = set(names[-1:])
+        input_names = []
     elif _is_functional(model):
         try:
             config = model.get_config()
@@ -570,12 +575,13 @@ def _graph(model: keras.Model) -> _Graph:
         calls = {spec["name"]: spec["inbound_nodes"][0] for spec in config["layers"]
                  if spec.get("inbound_nodes")}
         outputs = set(_output_names(config["output_layers"]))
+        input_names = _output_names(config["input_layers"])
     else:
         raise TypeError(
             "permute() needs a Functional or Sequential keras.Model (it reads the layer graph). "
             f"Received: {type(model).__name__}"
         )
-    ops, inlined, hidden = _inline_models(ops, inputs, widths, calls, outputs)
+    ops, inlined, hidden, unfollowed = _inline_models(ops, inputs, widths, calls, outputs)
     # A layer inside two inlined models appears under two names: shared, as a layer called twice.
     repeated = {i for i, n in collections.Counter(map(id, ops.values())).items() if n > 1}
     hidden |= {name for name, op in ops.items() if id(op) in repeated}
@@ -587,31 +593,42 @@ def _graph(model: keras.Model) -> _Graph:
     inside = {id(sub) for layer in model.layers if id(layer) not in inlined
               for sub in walk_layers(layer)}
     hidden |= {name for name, op in ops.items() if id(op) in inside}
-    return _Graph(ops, inputs, widths, calls, consumers, outputs, hidden, {})
+    return _Graph(ops, inputs, widths, calls, consumers, outputs, hidden, {}, unfollowed,
+                  input_names)
 
 
 def _inline_models(
     ops: dict, inputs: dict, widths: dict, calls: dict, outputs: set
-) -> tuple[dict, set[int], set[str]]:
-    """Replaces each nested model (Sequential or Functional) that is called once on one tensor, has
-    one output and shares no layer with the graph around it by its own graph, its layers named
-    'outer/inner', so that channel spaces run through it (a keras.applications base model inside a
-    transfer-learning model; ConvNeXt's stem and downsampling blocks). Updates inputs, widths,
-    calls and outputs in place; returns the new ops (graph order kept), the ids of the models
-    inlined and the names of their hidden (shared) layers."""
+) -> tuple[dict, set[int], set[str], dict[str, str]]:
+    """Replaces by its own graph, its layers named 'outer/inner', so that channel spaces run
+    through it: each nested model (Sequential or Functional) that is called once on one tensor,
+    has one output and shares no layer with the graph around it (a keras.applications base model
+    inside a transfer-learning model; ConvNeXt's stem and downsampling blocks), and each custom
+    layer whose call can be followed (`_traced_graph`: a transformer block written as a Layer).
+    Updates inputs, widths, calls and outputs in place; returns the new ops (graph order kept),
+    the ids of the models and layers inlined, the names of their hidden (shared) layers and, by
+    name, why the calls of the custom layers left as they are were not followed."""
     top = {id(op) for op in ops.values()}
-    new_ops, inlined, hidden = {}, set(), set()
+    new_ops, inlined, hidden, unfollowed = {}, set(), set(), {}
     for name, op in ops.items():
         sub = _inlinable_graph(op, inputs.get(name, []), top)
+        sources = inputs[name][0][:1] if sub is not None else []
+        if sub is None and _is_custom_layer(op):
+            sub, sources, why = _traced_graph(op, inputs.get(name, []), top)
+            if why:
+                unfollowed[name] = why
         if sub is None:
             new_ops[name] = op
             continue
-        starts = {_MODEL_INPUT, *(n for n, o in sub.ops.items()
-                                  if isinstance(o, keras.layers.InputLayer))}
-        source = inputs.pop(name)[0][0]
+        # Where the inner graph starts: the outer graph's sources of the model's or layer's inputs.
+        starts = dict(zip(sub.input_names, sources)) if sub.input_names else {
+            n: sources[0] for n, o in sub.ops.items() if isinstance(o, keras.layers.InputLayer)}
+        starts[_MODEL_INPUT] = sources[0]
+        inputs.pop(name)
+        unfollowed.update({f"{name}/{n}": why for n, why in sub.unfollowed.items()})
 
-        def path(n: str, name=name, source=source, starts=starts) -> str:
-            return source if n in starts else f"{name}/{n}"
+        def path(n: str, name=name, starts=starts) -> str:
+            return starts.get(n, f"{name}/{n}")
 
         for n, sub_op in sub.ops.items():
             if n not in starts:
@@ -621,7 +638,7 @@ def _inline_models(
                     widths[path(n)] = sub.widths[n]
                 if n in sub.calls:
                     calls[path(n)] = sub.calls[n]
-        hidden |= {path(n) for n in sub.hidden}
+        hidden |= {path(n) for n in sub.hidden if n not in starts}
         last = path(next(iter(sub.outputs)))
         for nodes in inputs.values():  # its readers now read its output layer
             for node in nodes:
@@ -632,7 +649,7 @@ def _inline_models(
         widths.pop(name, None)
         calls.pop(name, None)
         inlined.add(id(op))
-    return new_ops, inlined, hidden
+    return new_ops, inlined, hidden, unfollowed
 
 
 def _inlinable_graph(op, calls: list[list[str]], top: set[int]) -> _Graph | None:
@@ -653,6 +670,101 @@ def _inlinable_graph(op, calls: list[list[str]], top: set[int]) -> _Graph | None
                                                            keras.layers.InputLayer):
         return None
     return sub
+
+
+def _is_custom_layer(op) -> bool:
+    """Whether `op` is a user's layer (not Keras' own class, a model or a wrapper): one whose
+    `call` permute() can only learn by following it."""
+    return (isinstance(op, keras.layers.Layer) and not _keras_kind(op)
+            and not isinstance(op, (keras.Model, Sparse24)))
+
+
+def _traced_graph(
+    layer: keras.layers.Layer, calls: list[list[str]], top: set[int]
+) -> tuple[_Graph | None, list[str], str]:
+    """The graph of a custom layer's `call`, followed by running it on symbolic inputs shaped like
+    its call in the model, so that its sublayers (attention, Dense, normalization) and keras ops
+    record what they read (Keras' examples' TransformerBlock, keras_hub's TransformerEncoder); the
+    outer graph's sources of its tensor inputs, in order; and why not ('' when it is followed, or
+    when it holds no sublayers: such a layer is left to the trial run, `_probe`).
+
+    Followed only when the layer is called once, holds no weights of its own (its call would use
+    them as constants), shares no sublayer with the graph around it (whose op ids are `top`), has
+    every sublayer built (the caller's model is not to change), takes no Keras mask, returns one
+    tensor, runs every sublayer with weights on what comes from its inputs and, if it takes
+    `training`, runs the same layers in both modes (a branch run only in training would read
+    channels unseen). What the trace adds to the layers' Keras nodes `_restoring_nodes` takes out
+    again.
+    """
+    subs = walk_layers(layer)
+    if not layer.built or not subs:
+        return None, [], ""
+    nodes = getattr(layer, "_inbound_nodes", [])
+    if len(calls) != 1 or len(nodes) != 1:
+        return None, [], "it is called more than once"
+    if own_variables(layer):
+        return None, [], "it has weights of its own"
+    if any(id(sub) in top for sub in subs):
+        return None, [], "a layer inside it is also used around it"
+    if unbuilt := [sub.name for sub in subs if not sub.built]:
+        return None, [], (f"the layers {unbuilt} inside it are not built (following its call "
+                          "would build them)")
+    params = inspect.signature(layer.call).parameters
+    if "mask" in params:
+        return None, [], "its call takes a Keras mask"
+    error = None
+    for unknown in (None, 8):  # unknown lengths given one where the call needs it (GPT-2's)
+        try:
+            traces = [_trace(layer, nodes[0].arguments, unknown, training)
+                      for training in [False, *([True] if "training" in params else [])]]
+            sub = _graph(traces[0])
+            break
+        except Exception as err:  # noqa: BLE001 - Keras and the layer's own code raise any kind
+            error = error or err
+    else:
+        return None, [], f"its call could not be followed ({type(error).__name__}: {error})"
+    if not all(isinstance(trace.output, keras.KerasTensor) for trace in traces):
+        return None, [], "its call does not return one tensor"
+    if len(traces[0].inputs) != len(calls[0]):
+        return None, [], "its tensor inputs could not be matched to the model's"
+    ran = [collections.Counter(id(op) for op in trace.operations
+                               if isinstance(op, keras.layers.Layer)
+                               and not isinstance(op, keras.layers.InputLayer))
+           for trace in traces]
+    if ran[0] != ran[-1]:
+        return None, [], "it runs other layers when training"
+    traced = {id(x) for op in traces[0].operations for x in [op, *walk_layers(op)]}
+    if outside := [sub.name for sub in subs if sub.weights and id(sub) not in traced]:
+        # Run on constants (a position table looked up at `arange(length)`), or their weights
+        # read directly: what they add is invisible to the trace.
+        return None, [], f"the layers {outside} inside it do not run on its inputs"
+    (last,) = sub.outputs
+    if isinstance(sub.ops.get(last), keras.layers.InputLayer):
+        return None, [], ""
+    return sub, calls[0], ""
+
+
+def _trace(layer: keras.layers.Layer, arguments, unknown: int | None, training: bool):
+    """A Functional model of `layer.call` run on symbolic inputs like `arguments` (its call's in
+    the model; `unknown`: see `symbolic_arguments`), in training mode if `training`."""
+    args, kwargs, inputs = symbolic_arguments(arguments, unknown)
+    if training:
+        kwargs["training"] = True
+    return keras.Model(inputs, layer.call(*args, **kwargs))
+
+
+@contextlib.contextmanager
+def _restoring_nodes(model: keras.Model):
+    """Leaves every layer of `model` with the Keras nodes (the record of its symbolic calls) it
+    had: `_traced_graph` adds nodes to the layers inside the custom layers it follows."""
+    layers = [model, *walk_layers(model)]
+    before = [(len(layer._inbound_nodes), len(layer._outbound_nodes)) for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, (inbound, outbound) in zip(layers, before):
+            del layer._inbound_nodes[inbound:]
+            del layer._outbound_nodes[outbound:]
 
 
 def _keras_kind(op) -> str:
@@ -866,17 +978,30 @@ def _passes(layer) -> bool:
 
 def _activation_commutes(layer) -> bool:
     """Whether `layer`'s `activation` (a producer's, an Activation layer's, a depthwise conv's)
-    acts channel by channel: a Keras built-in other than glu (which halves the channels); a custom
-    function might mix channels (GroupSort)."""
+    acts channel by channel: a Keras built-in other than glu (which halves the channels), or any
+    other function (keras_hub's `gelu_approximate`) that passes a trial run: on random inputs,
+    reordering the channels by the transposition (0 1), the cycle (0 1 ... 7) and a random
+    permutation, which generate them all, reorders its output alike (GroupSort, which sorts within
+    groups of channels, fails it)."""
     activation = getattr(layer, "activation", None)
     if activation is None:
         return True
     try:
         name = keras.activations.serialize(activation)
     except Exception:  # noqa: BLE001 - not serializable: not a built-in
+        name = None
+    if isinstance(name, str) and getattr(keras.activations, name, None) is activation:
+        return name != "glu"
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 5, 8)).astype(layer.compute_dtype)
+    perms = (np.r_[1, 0, 2:8], np.roll(np.arange(8), 1), rng.permutation(8))
+    try:
+        expected = keras.ops.convert_to_numpy(activation(x)).astype("float64")
+        return expected.shape == x.shape and bool(np.isfinite(expected).all()) and all(
+            np.allclose(keras.ops.convert_to_numpy(activation(x[..., p])), expected[..., p],
+                        rtol=1e-5, atol=1e-6) for p in perms)
+    except Exception:  # noqa: BLE001 - a function that cannot be tried is not followed
         return False
-    return (isinstance(name, str) and name != "glu"
-            and getattr(keras.activations, name, None) is activation)
 
 
 def _same_for_every_channel(value) -> bool:
@@ -927,43 +1052,49 @@ def _carrying(graph: _Graph, name: str) -> list[int]:
     return []
 
 
-def _probe(graph: _Graph, name: str) -> bool:
+def _probe(graph: _Graph, name: str, produces: bool = False) -> bool:
     """Whether a layer permute() does not know acts channel by channel, found by running a copy of
-    it (ConvNeXt's LayerScale `x * gamma`, InceptionResNetV2's CustomScaleLayer `a + b * s`).
+    it (ConvNeXt's LayerScale `x * gamma`, InceptionResNetV2's CustomScaleLayer `a + b * s`); with
+    `produces`, whether it makes its output channels from its weights alone, in their order (the
+    Keras examples' TokenAndPositionEmbedding: token and position tables added).
 
     Only for layers whose weights all have C entries along their last axis (`[C]` vectors, a
-    learned position table `[L, C]`) and whose inputs and output all have C channels: the copy
-    runs on random inputs, then on the same inputs with their channels reordered and its weights
-    reordered alike along their last axis, for the permutations (0 1), (0 1 ... C-1), which
-    generate all of them, and one at random; the outputs must differ only by that reordering.
-    Anything that cannot be copied (from_config), run or compared counts as not channel by
-    channel. Cached per layer name in `graph.probed`.
+    learned position table `[L, C]`; a producer needs one) and whose output has C channels (and,
+    to act channel by channel, every input): the copy runs on random inputs, then on the same
+    inputs with their channels reordered (not for `produces`) and its weights reordered alike along
+    their last axis, for the permutations (0 1), (0 1 ... C-1), which generate all of them, and one
+    at random; the outputs must differ only by that reordering. Anything that cannot be copied
+    (from_config), run or compared counts as not channel by channel. Cached in `graph.probed`.
     """
-    if name not in graph.probed:
-        graph.probed[name] = _commutes_when_run(graph, name)
-    return graph.probed[name]
+    key = f"{name}:{'produces' if produces else 'carries'}"
+    if key not in graph.probed:
+        graph.probed[key] = _commutes_when_run(graph, name, move_inputs=not produces)
+    return graph.probed[key]
 
 
-def _commutes_when_run(graph: _Graph, name: str) -> bool:
+def _commutes_when_run(graph: _Graph, name: str, move_inputs: bool) -> bool:
     layer, channels = graph.ops[name], _output_channels(graph.ops[name])
     if (channels is None or channels < 2 or not isinstance(layer, keras.layers.Layer)
             or isinstance(layer, (keras.Model, keras.layers.InputLayer)) or not layer.built
-            or any(not w.shape or w.shape[-1] != channels for w in layer.weights)):
+            or any(not w.shape or w.shape[-1] != channels for w in layer.weights)
+            or not (move_inputs or layer.weights)):
         return False
     call = graph.calls.get(name, {})  # a Sequential layer: called on its one input
     kwargs, args = call.get("kwargs", {}), call.get("args", [])
-    shapes = [t["shape"] for t in _tensor_specs(call)] if call else [layer.input.shape]
+    specs = _tensor_specs(call) if call else [{"shape": layer.input.shape,
+                                               "dtype": layer.input.dtype}]
     packed = len(args) == 1 and isinstance(args[0], (list, tuple))  # layer([a, b])
     if not all(map(_same_for_every_channel, kwargs.values())) or (
-            call and len(args[0] if packed else args) != len(shapes)):  # a constant among them
+            call and len(args[0] if packed else args) != len(specs)):  # a constant among them
         return False
     rng = np.random.default_rng(0)
-    inputs = [rng.normal(size=[2 if d is None else d for d in shape]).astype("float32")
-              for shape in shapes]
+    inputs = [(rng.integers(0, 2, size=shape) if "int" in str(spec.get("dtype")) else
+               rng.normal(size=shape)).astype(spec.get("dtype") or "float32")
+              for spec in specs for shape in [[2 if d is None else d for d in spec["shape"]]]]
     weights = [np.asarray(w) for w in layer.get_weights()]
 
     def run(copy, perm: np.ndarray) -> np.ndarray:
-        moved = [x[..., perm] for x in inputs]
+        moved = [x[..., perm] for x in inputs] if move_inputs else inputs
         if weights:
             copy.set_weights([w[..., perm] for w in weights])
         out = copy(moved, **kwargs) if packed else copy(*moved, **kwargs)
@@ -1094,9 +1225,11 @@ def _space(graph: _Graph, seed: str) -> _Space:
                 reasons.append(f"channels straddle two inputs of {_describe(name, op)}")
                 continue
             carry(graph.inputs[name][0][inside[0]], offset - starts[inside[0]])
+        elif _probe(graph, name, produces=True):
+            producers[name] = offset
         else:
-            reasons.append(
-                f"its input channels come from {_describe(name, op)}, which cannot be permuted")
+            reasons.append(f"its input channels come from {_describe(name, op)}, which "
+                           f"{_cannot(graph, name)}")
             continue
         if name in graph.outputs:
             reasons.append(f"{name!r} is a model output")
@@ -1127,7 +1260,8 @@ def _space(graph: _Graph, seed: str) -> _Space:
                     reasons.append(f"channels reach {_describe(user, op)} {len(at)} times")
                 carry(user, starts[at[0]] + offset)
             else:
-                reasons.append(f"channels reach {_describe(user, op)}, which cannot be permuted")
+                reasons.append(f"channels reach {_describe(user, op)}, which "
+                               f"{_cannot(graph, user)}")
     order = {name: i for i, name in enumerate(graph.ops)}
     producers, through, consumers = (dict(sorted(group.items(), key=lambda item: order[item[0]]))
                                      for group in (producers, through, consumers))
@@ -1143,6 +1277,12 @@ def _space(graph: _Graph, seed: str) -> _Space:
              for user, roles in reads.items()}
     return _Space(producers, through, consumers, reads, channels, whole,
                   reasons[0] if reasons else "")
+
+
+def _cannot(graph: _Graph, name: str) -> str:
+    """'cannot be permuted', and why not for a custom layer whose call was not followed."""
+    why = graph.unfollowed.get(name)
+    return f"cannot be permuted ({why})" if why else "cannot be permuted"
 
 
 def _roots(graph: _Graph, name: str) -> list[str]:
@@ -1349,12 +1489,15 @@ def permute(
     in between, each at its offset. A layer with no rule here whose weights all have C entries along
     their last axis (ConvNeXt's LayerScale, a user's `x * gamma`, a learned position table added in)
     is tried: a copy of it is run on random inputs with and without its channels reordered, and it
-    is followed if it acts channel by channel. So a transformer's residual stream is one space, from
-    the embedding table to the classifier. Inside every attention layer (also those inside custom
-    layers, such as a transformer block layer) each value head's channels are reordered on their
-    own, for its output projection's 2:4 groups (a report with `heads` > 0). A nested model
-    (Sequential or Functional: a keras.applications base model in a transfer-learning model) called
-    once on one tensor is followed through as its own graph (its layers reported as 'outer/inner').
+    is followed if it acts channel by channel, or is a producer if reordering its weights alone
+    reorders its output (a token table plus a position table). So a transformer's residual stream
+    is one space, from the embedding table to the classifier. Inside every attention layer (also
+    those inside custom layers) each value head's channels are reordered on their own, for its
+    output projection's 2:4 groups (a report with `heads` > 0). A nested model (Sequential or
+    Functional: a keras.applications base model in a transfer-learning model) called once on one
+    tensor, and a custom layer holding sublayers whose call can be followed on symbolic inputs (a
+    transformer block written as a Layer), are followed through as their own graph (their layers
+    reported as 'outer/inner'; when a custom layer's call is not, the reason is in the reports).
     The copy of the model (made as `tf_sparse24.prune` makes its copies) computes the same function
     as `model` (up to float rounding) but its 2:4 masks keep more. Run it on the trained dense
     model, before `tf_sparse24.prune`. The caller's model is not changed.
@@ -1362,7 +1505,7 @@ def permute(
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
     shared layer (called twice, or also inside a nested model), a nested model with several inputs
     or outputs, a layer with several outputs, a custom activation function (on a producer or an
-    Activation layer: it might mix channels), a keras op that is not elementwise (`x[:, :16]`,
+    Activation layer) that a trial run finds mixing channels, a keras op that is not elementwise (`x[:, :16]`,
     `keras.ops.flip`) or has a per-channel constant (`x + np.arange(16)`), any other layer not found
     to commute with a channel permutation (the rules are for Keras' own classes: a user's class,
     whatever its name or base class, is only tried); quantized or LoRA-enabled layers; channel
@@ -1398,6 +1541,13 @@ def permute(
         >>> model = tf_sparse24.prune(model)
     """
     _check_model(model, "permute")
+    with _restoring_nodes(model):
+        return _permute(model, layers, kicks, seed, block_channels, max_channels, progress,
+                        print_fn)
+
+
+def _permute(model, layers, kicks, seed, block_channels, max_channels, progress, print_fn):
+    """`permute` on a checked model."""
     graph = _graph(model)
     # Names from a report ('outer/inner': inside an inlined model, or an attention layer inside
     # another layer) select that layer; a selected container selects what it holds.
@@ -1511,7 +1661,9 @@ def _apply(graph: _Graph, copies: dict, space: _Space, perm: np.ndarray) -> None
         return _copy_of(copies, name, graph.ops[name])
 
     for name, offset in space.producers.items():
-        for variable, axis, _ in _writes(copy_of(name)):
+        layer = copy_of(name)
+        for variable, axis, _ in _writes(layer) or [  # or a producer found by `_probe`
+                _Axis(w, w.ndim - 1) for w in layer.weights]:
             take(variable, axis, offset)
     for name, offset in space.through.items():
         # BatchNormalization/LayerNormalization: [C]; probed layers: [..., C]; depthwise: kernel

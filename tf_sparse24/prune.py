@@ -234,9 +234,12 @@ def _copy_own_variables(source: keras.layers.Layer, target: keras.layers.Layer) 
         variable.assign(value)
 
 
-def symbolic_arguments(arguments) -> tuple[list, dict, list[keras.KerasTensor]]:
+def symbolic_arguments(
+    arguments, unknown: int | None = None
+) -> tuple[list, dict, list[keras.KerasTensor]]:
     """A call's arguments (a Keras node's) with each Keras tensor replaced by a new model input of
-    its shape and dtype, and those inputs in argument order (positional, then keyword).
+    its shape and dtype (`unknown`: the size given to unknown dimensions, the batch's included),
+    and those inputs in argument order (positional, then keyword).
 
     Raises:
         TypeError: for a container other than a list, tuple or dict (a namedtuple).
@@ -245,7 +248,9 @@ def symbolic_arguments(arguments) -> tuple[list, dict, list[keras.KerasTensor]]:
 
     def symbolic(value):
         if isinstance(value, keras.KerasTensor):
-            inputs.append(keras.Input(batch_shape=value.shape, dtype=value.dtype,
+            shape = value.shape if unknown is None else tuple(
+                unknown if d is None else d for d in value.shape)
+            inputs.append(keras.Input(batch_shape=shape, dtype=value.dtype,
                                       sparse=value.sparse, ragged=value.ragged))
             return inputs[-1]
         if type(value) in (list, tuple):
