@@ -257,6 +257,11 @@ def test_bad_inputs_raise_before_any_change():
     model = functional_model()
     with pytest.raises(ValueError, match="Received: pattern='2:4:8'"):
         ts.prune(model, "2:4:8")
+    # A layer object of another model (the one a copy was made from) would select nothing.
+    with pytest.raises(ValueError, match=r"layer objects \['conv'\] are not in model"):
+        ts.prune(ts.prune(model), layers=[model.get_layer("conv")])
+    with pytest.raises(TypeError, match=r"layer names, layer objects or layer classes, got \[3\]"):
+        ts.prune(model, skip=[3])
     lstm = model.get_layer("lstm")
     weights = lstm.get_weights()
     weights[1][3, 5] = np.nan  # recurrent kernel
@@ -1148,7 +1153,7 @@ def test_a_partly_lazy_blocks_masks_load_onto_the_weights_they_were_made_for(mak
     pruned.save(path)
     loaded = keras.models.load_model(path)
 
-    for copy in (pruned, loaded, ts.prune(pruned, skip=skip)):
+    for copy in (pruned, loaded, ts.prune(pruned)):  # its wrapper keeps what it prunes
         (wrapper,) = ts.pruned_layers(copy)
         (pw,) = wrapper.pruned_weights
         np.testing.assert_array_equal(pw.variable.numpy(), kernel)  # the same weight, masked

@@ -140,13 +140,27 @@ def _selector_list(selectors) -> list:
 
 
 def _check_selectors(model, selectors, arg: str) -> list:
+    """`selectors` as a list, each a layer name or object of `model` or a layer class.
+
+    Raises:
+        TypeError: for anything else.
+        ValueError: naming the names, and the layer objects, that are not in `model` (a layer of
+            the caller's model passed with its copy would select nothing).
+    """
     selectors = _selector_list(selectors)
-    names = {layer.name for layer in walk_layers(model)} | {
-        layer.name for w in pruned_layers(model) for layer in [w.layer, *walk_layers(w.layer)]
-    }
-    unknown = [s for s in selectors if isinstance(s, str) and s not in names]
-    if unknown:
+    layers = walk_layers(model) + [
+        layer for w in pruned_layers(model) for layer in [w.layer, *walk_layers(w.layer)]]
+    if wrong := [s for s in selectors if not isinstance(s, (str, type, keras.layers.Layer))]:
+        raise TypeError(f"{arg}: expected layer names, layer objects or layer classes, got "
+                        f"{wrong!r}.")
+    if unknown := [s for s in selectors if isinstance(s, str)
+                   and s not in {layer.name for layer in layers}]:
         raise ValueError(f"{arg}: no layer named {unknown} in model {model.name!r}.")
+    if outside := [s.name for s in selectors if isinstance(s, keras.layers.Layer)
+                   and id(s) not in {id(layer) for layer in layers}]:
+        raise ValueError(
+            f"{arg}: the layer objects {outside} are not in model {model.name!r} (layers of "
+            "another model, such as the one it was copied from? Pass names or classes).")
     return selectors
 
 
