@@ -1500,8 +1500,31 @@ class _NotSymbolic(keras.layers.Layer):
         return self.proj(tf.math.cumsum(x, axis=1))
 
 
+class _TiedDecoder(keras.layers.Layer):
+    """Decodes with its encoder's kernel, read directly (tied weights): the trace holds it as a
+    constant, so the channels it reorders would go unseen."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.enc = keras.layers.Dense(8)
+
+    def call(self, x):
+        z = keras.ops.relu(self.enc(x))
+        return keras.ops.matmul(z, keras.ops.transpose(self.enc.kernel))
+
+
+class _TrainingFlip(_TrainingOnlyBranch):
+    """Runs the same layers in both modes, but reverses the channels only when training."""
+
+    def call(self, x, training=None):
+        y = self.proj(x)
+        return self.extra(keras.ops.flip(y, axis=-1) if training else y)
+
+
 @pytest.mark.parametrize("make, why", [
-    (_TrainingOnlyBranch, "it runs other layers when training"),
+    (_TrainingOnlyBranch, "it computes otherwise when training"),
+    (_TrainingFlip, "it computes otherwise when training"),
+    (_TiedDecoder, "its call reads the weights"),
     (_OwnScale, "it has weights of its own"),
     (_Masked, "its call takes a Keras mask"),
     (_NotSymbolic, "its call could not be followed"),
@@ -1674,3 +1697,109 @@ def test_permute_follows_a_custom_layer_that_needs_known_lengths():
     assert spaces == {("block/proj",): ("d1",), ("d1",): ("d2",)}
     (stopped,) = [r.reason for r in reports if r.consumers == ("block/proj",)]
     assert re.search(r"'block/einsum(_\d+)?' \(keras op Einsum\)", stopped)  # mixes over time
+
+
+class _LengthBranch(keras.layers.Layer):
+    """Reverses the channels for inputs longer than 8: a trace at an unknown length sees one
+    branch, a call another."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1, self.d2 = keras.layers.Dense(16), keras.layers.Dense(16)
+
+    def call(self, x):
+        h = self.d1(x)
+        if x.shape[1] is not None and x.shape[1] > 8:
+            h = keras.ops.flip(h, axis=-1)
+        return self.d2(h)
+
+
+class _EagerOnly(_LengthBranch):
+    """Reverses the channels except when called on a Keras symbolic tensor, which only permute's
+    trace does: no check on the trace can see it, the final comparison does."""
+
+    def call(self, x):
+        h = self.d1(x)
+        return self.d2(h if isinstance(x, keras.KerasTensor) else keras.ops.flip(h, axis=-1))
+
+
+def test_permute_does_not_follow_a_call_that_branches_on_its_input_length():
+    inputs = keras.Input((None, 16))
+    x = _LengthBranch(name="block")(keras.layers.Dense(16, name="pre")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="post")(x))
+    _randomize(model, seed=78)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    for length in (5, 12):
+        _assert_same_function(model, permuted, _x(2, length, 16, seed=79))
+    assert "(it computes otherwise at other input lengths" in " ".join(r.reason for r in reports)
+
+
+def test_permute_checks_its_copy_and_stops_following_custom_layers_if_it_differs():
+    inputs = keras.Input((5, 16))
+    x = _EagerOnly(name="block")(keras.layers.Dense(16, name="pre")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="post")(x))
+    _randomize(model, seed=80)
+
+    with pytest.warns(UserWarning, match="permuted again without following them"):
+        permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 5, 16, seed=81))
+    assert "'block' (_EagerOnly), which cannot be permuted" in " ".join(r.reason for r in reports)
+
+
+@keras.saving.register_keras_serializable(package="test_permute")
+def _cumsum_mix(x):
+    """Mixes along axis 1: the channel axis of a Dense's 2-D output (not of a 3-D one)."""
+    return x - 0.1 * keras.ops.cumsum(x, axis=1)
+
+
+@keras.saving.register_keras_serializable(package="test_permute")
+def _group_centre(x):
+    """Centres each group of 8 channels: equivariant for 8 channels, not for 16."""
+    means = keras.ops.mean(keras.ops.reshape(x, (-1, x.shape[-1] // 8, 8)), axis=-1)
+    return x - keras.ops.repeat(means, 8, axis=-1)
+
+
+@pytest.mark.parametrize("activation", [_cumsum_mix, _group_centre])
+def test_permute_tries_a_custom_activation_on_the_layers_own_shape(activation):
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(16, activation=activation, name="d0")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d1")(keras.layers.Dense(16)(x)))
+    _randomize(model, seed=82)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(5, 16, seed=83))
+    (report,) = [r for r in reports if r.producers == ("d0",)]
+    assert not report.permuted and "activation of 'd0'" in report.reason
+
+
+class _StatelessSublayersAndState(keras.layers.Layer):
+    """Makes an Add layer in every call and keeps Python state from its last call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(16, name="proj")
+        self.calls = 0
+
+    def call(self, x):
+        self.calls += 1
+        self.last = self.proj(x)
+        return keras.layers.Add()([x, self.last])
+
+
+def test_permute_follows_a_call_that_makes_weightless_layers_and_leaves_its_state_alone():
+    inputs = keras.Input((16,))
+    x = _StatelessSublayersAndState(name="block")(keras.layers.Dense(16, name="pre")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="post")(x))
+    _randomize(model, seed=84)
+    block = model.get_layer("block")
+    state = (block.calls, block.last)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    assert (block.calls, block.last) == state
+    _assert_same_function(model, permuted, _x(5, 16, seed=85))
+    assert [r.producers for r in reports if r.permuted] == [("pre", "block/proj")]

@@ -35,11 +35,13 @@ import inspect
 import itertools
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import keras
 import numpy as np
+import tensorflow as tf
 from tqdm.auto import tqdm
 
 from tf_sparse24.prune import (
@@ -502,6 +504,7 @@ class _Graph(NamedTuple):
     hidden: set[str]  # layers also used inside another layer (a nested model): calls not seen here
     probed: dict[str, bool]  # `_probe` results by 'name:carries' / 'name:produces', filled as asked
     unfollowed: dict[str, str]  # custom layers whose call was not followed, and why
+    followed: list[str]  # custom layers whose call was followed (their graph inlined)
     input_names: list[str]  # a Functional model's input layers, in order ([] for Sequential)
 
 
@@ -539,8 +542,9 @@ def _output_names(spec) -> list[str]:
     return [n for v in spec for n in _output_names(v)]
 
 
-def _graph(model: keras.Model) -> _Graph:
-    """The top-level graph of a Functional (from its public config) or Sequential model.
+def _graph(model: keras.Model, follow: bool = True) -> _Graph:
+    """The top-level graph of a Functional (from its public config) or Sequential model (`follow`:
+    custom layers' calls are followed, see `_inline_models`).
 
     Raises:
         TypeError: for models without a layer graph (subclassed models).
@@ -581,7 +585,8 @@ def _graph(model: keras.Model) -> _Graph:
             "permute() needs a Functional or Sequential keras.Model (it reads the layer graph). "
             f"Received: {type(model).__name__}"
         )
-    ops, inlined, hidden, unfollowed = _inline_models(ops, inputs, widths, calls, outputs)
+    ops, inlined, hidden, unfollowed, followed = _inline_models(ops, inputs, widths, calls,
+                                                                outputs, follow)
     # A layer inside two inlined models appears under two names: shared, as a layer called twice.
     repeated = {i for i, n in collections.Counter(map(id, ops.values())).items() if n > 1}
     hidden |= {name for name, op in ops.items() if id(op) in repeated}
@@ -594,26 +599,28 @@ def _graph(model: keras.Model) -> _Graph:
               for sub in walk_layers(layer)}
     hidden |= {name for name, op in ops.items() if id(op) in inside}
     return _Graph(ops, inputs, widths, calls, consumers, outputs, hidden, {}, unfollowed,
-                  input_names)
+                  followed, input_names)
 
 
 def _inline_models(
-    ops: dict, inputs: dict, widths: dict, calls: dict, outputs: set
-) -> tuple[dict, set[int], set[str], dict[str, str]]:
+    ops: dict, inputs: dict, widths: dict, calls: dict, outputs: set, follow: bool
+) -> tuple[dict, set[int], set[str], dict[str, str], list[str]]:
     """Replaces by its own graph, its layers named 'outer/inner', so that channel spaces run
     through it: each nested model (Sequential or Functional) that is called once on one tensor,
     has one output and shares no layer with the graph around it (a keras.applications base model
     inside a transfer-learning model; ConvNeXt's stem and downsampling blocks), and each custom
-    layer whose call can be followed (`_traced_graph`: a transformer block written as a Layer).
+    layer whose call can be followed (`_traced_graph`: a transformer block written as a Layer),
+    if `follow`.
     Updates inputs, widths, calls and outputs in place; returns the new ops (graph order kept),
-    the ids of the models and layers inlined, the names of their hidden (shared) layers and, by
-    name, why the calls of the custom layers left as they are were not followed."""
+    the ids of the models and layers inlined, the names of their hidden (shared) layers, by name,
+    why the calls of the custom layers left as they are were not followed, and the names of
+    those followed."""
     top = {id(op) for op in ops.values()}
-    new_ops, inlined, hidden, unfollowed = {}, set(), set(), {}
+    new_ops, inlined, hidden, unfollowed, followed = {}, set(), set(), {}, []
     for name, op in ops.items():
-        sub = _inlinable_graph(op, inputs.get(name, []), top)
+        sub = _inlinable_graph(op, inputs.get(name, []), top, follow)
         sources = inputs[name][0][:1] if sub is not None else []
-        if sub is None and _is_custom_layer(op):
+        if sub is None and follow and _is_custom_layer(op):
             sub, sources, why = _traced_graph(op, inputs.get(name, []), top)
             if why:
                 unfollowed[name] = why
@@ -626,6 +633,7 @@ def _inline_models(
         starts[_MODEL_INPUT] = sources[0]
         inputs.pop(name)
         unfollowed.update({f"{name}/{n}": why for n, why in sub.unfollowed.items()})
+        followed += [name] * _is_custom_layer(op) + [f"{name}/{n}" for n in sub.followed]
 
         def path(n: str, name=name, starts=starts) -> str:
             return starts.get(n, f"{name}/{n}")
@@ -649,10 +657,10 @@ def _inline_models(
         widths.pop(name, None)
         calls.pop(name, None)
         inlined.add(id(op))
-    return new_ops, inlined, hidden, unfollowed
+    return new_ops, inlined, hidden, unfollowed, followed
 
 
-def _inlinable_graph(op, calls: list[list[str]], top: set[int]) -> _Graph | None:
+def _inlinable_graph(op, calls: list[list[str]], top: set[int], follow: bool) -> _Graph | None:
     """The graph of `op` if `_inline_models` can put it in place of `op` (called once on one tensor
     (`calls`: the sources of each call), one output that is not its input, no layer shared with
     the graph around it whose op ids are `top`); else None."""
@@ -662,7 +670,7 @@ def _inlinable_graph(op, calls: list[list[str]], top: set[int]) -> _Graph | None
             and not any(id(layer) in top for layer in walk_layers(op))):
         return None
     try:
-        sub = _graph(op)
+        sub = _graph(op, follow)
     except TypeError:  # a subclassed model: no graph to follow
         return None
     (last,) = sub.outputs if len(sub.outputs) == 1 else (None,)
@@ -688,13 +696,14 @@ def _traced_graph(
     outer graph's sources of its tensor inputs, in order; and why not ('' when it is followed, or
     when it holds no sublayers: such a layer is left to the trial run, `_probe`).
 
-    Followed only when the layer is called once, holds no weights of its own (its call would use
-    them as constants), shares no sublayer with the graph around it (whose op ids are `top`), has
+    Followed only when the layer is called once, holds no weights of its own and reads none of its
+    sublayers' outside their calls (the trace would hold them as constants: a tied `x @
+    self.dense.kernel`), shares no sublayer with the graph around it (whose op ids are `top`), has
     every sublayer built (the caller's model is not to change), takes no Keras mask, returns one
-    tensor, runs every sublayer with weights on what comes from its inputs and, if it takes
-    `training`, runs the same layers in both modes (a branch run only in training would read
-    channels unseen). What the trace adds to the layers' Keras nodes `_restoring_nodes` takes out
-    again.
+    tensor, runs every sublayer with weights on what comes from its inputs, computes alike at
+    other lengths of its unknown dimensions (no Python branch on a shape) and, if it takes
+    `training`, in training mode (no branch that only training runs). What the traces add to the
+    layers `_restoring_layers` takes out again.
     """
     subs = walk_layers(layer)
     if not layer.built or not subs:
@@ -712,36 +721,90 @@ def _traced_graph(
     params = inspect.signature(layer.call).parameters
     if "mask" in params:
         return None, [], "its call takes a Keras mask"
-    error = None
-    for unknown in (None, 8):  # unknown lengths given one where the call needs it (GPT-2's)
-        try:
-            traces = [_trace(layer, nodes[0].arguments, unknown, training)
-                      for training in [False, *([True] if "training" in params else [])]]
-            sub = _graph(traces[0])
-            break
-        except Exception as err:  # noqa: BLE001 - Keras and the layer's own code raise any kind
-            error = error or err
-    else:
-        return None, [], f"its call could not be followed ({type(error).__name__}: {error})"
-    if not all(isinstance(trace.output, keras.KerasTensor) for trace in traces):
+    own = {id(sub) for sub in subs}
+    traces, error, reads = [], None, _EagerReads()
+    with reads:
+        # As recorded, then with unknown dimensions set (calls that need them: GPT-2's), twice.
+        for unknown in (None, 8, 13):
+            try:
+                trace = _trace(layer, nodes[0].arguments, unknown, training=False)
+                traces.append((unknown, trace, _graph(trace)))
+            except Exception as err:  # noqa: BLE001 - Keras and the layer's code raise any kind
+                error = error or err
+        if not traces:
+            return None, [], f"its call could not be followed ({type(error).__name__}: {error})"
+        unknown, trace, sub = traces[0]
+        if "training" in params:
+            try:
+                training = _graph(_trace(layer, nodes[0].arguments, unknown, training=True))
+            except Exception as err:  # noqa: BLE001
+                return None, [], (f"its call in training mode could not be followed "
+                                  f"({type(err).__name__}: {err})")
+    if not isinstance(trace.output, keras.KerasTensor):
         return None, [], "its call does not return one tensor"
-    if len(traces[0].inputs) != len(calls[0]):
+    if len(trace.inputs) != len(calls[0]):
         return None, [], "its tensor inputs could not be matched to the model's"
-    ran = [collections.Counter(id(op) for op in trace.operations
-                               if isinstance(op, keras.layers.Layer)
-                               and not isinstance(op, keras.layers.InputLayer))
-           for trace in traces]
-    if ran[0] != ran[-1]:
-        return None, [], "it runs other layers when training"
-    traced = {id(x) for op in traces[0].operations for x in [op, *walk_layers(op)]}
+    if any(_signature(g, own) != _signature(sub, own) for _, _, g in traces[1:]):
+        return None, [], "it computes otherwise at other input lengths (a branch on a shape)"
+    if "training" in params and _signature(training, own, True) != _signature(sub, own, True):
+        return None, [], "it computes otherwise when training"
+    weights = {id(v) for sub in subs for v in sub.weights}
+    if read := [v.path for i, v in reads.variables.items() if i in weights]:
+        return None, [], f"its call reads the weights {read} outside the layers that hold them"
+    traced = {id(x) for op in trace.operations for x in [op, *walk_layers(op)]}
     if outside := [sub.name for sub in subs if sub.weights and id(sub) not in traced]:
-        # Run on constants (a position table looked up at `arange(length)`), or their weights
-        # read directly: what they add is invisible to the trace.
+        # Run on constants (a position table looked up at `arange(length)`): what they add is
+        # invisible to the trace.
         return None, [], f"the layers {outside} inside it do not run on its inputs"
     (last,) = sub.outputs
     if isinstance(sub.ops.get(last), keras.layers.InputLayer):
         return None, [], ""
     return sub, calls[0], ""
+
+
+class _EagerReads(keras.StatelessScope):
+    """While active, records the variables read eagerly: by a custom layer's own code during a
+    trace (`keras.ops.transpose(self.dense.kernel)`), not by a sublayer's symbolic call, whose
+    reads happen in a graph. Values are read as stored; assignments are dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.variables: dict[int, keras.Variable] = {}
+
+    def get_current_value(self, variable):
+        if tf.executing_eagerly():
+            self.variables[id(variable)] = variable
+        # No value given: the variable reads its own.
+
+
+def _signature(graph: _Graph, own: set[int], settings: bool = False) -> list:
+    """What a traced graph computes, in terms that do not depend on the trace: per operation in
+    graph order, the sublayer (ids in `own`) or the class of anything else, and the positions of
+    what it reads; with `settings`, also the other operations' settings and every operation's
+    constant arguments other than `training` (a branch that changes an op's axis or constant)."""
+    position = {name: i for i, name in enumerate(graph.ops)}
+
+    def plain(value):
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value if isinstance(value, (str, int, float, bool, type(None))) else type(value)
+
+    out = []
+    for name, op in graph.ops.items():
+        entry = [id(op) if id(op) in own else type(op).__name__,
+                 [[position.get(s, s) for s in call] for call in graph.inputs.get(name, [])]]
+        if settings and not isinstance(op, keras.layers.InputLayer):
+            config = {} if id(op) in own else (
+                op.get_config() if isinstance(op, keras.layers.Layer) else vars(op))
+            call = graph.calls.get(name, {})
+            entry += [plain({k: v for k, v in config.items() if k != "name"
+                             and not k.startswith("_")}),
+                      plain(_constants({"args": call.get("args", []), "kwargs": {
+                          k: v for k, v in call.get("kwargs", {}).items() if k != "training"}}))]
+        out.append(entry)
+    return out
 
 
 def _trace(layer: keras.layers.Layer, arguments, unknown: int | None, training: bool):
@@ -754,17 +817,23 @@ def _trace(layer: keras.layers.Layer, arguments, unknown: int | None, training: 
 
 
 @contextlib.contextmanager
-def _restoring_nodes(model: keras.Model):
-    """Leaves every layer of `model` with the Keras nodes (the record of its symbolic calls) it
-    had: `_traced_graph` adds nodes to the layers inside the custom layers it follows."""
+def _restoring_layers(model: keras.Model):
+    """Leaves every layer of `model` as it was: `_traced_graph` runs custom layers' calls, which
+    add Keras nodes (the record of symbolic calls) to their sublayers and may set attributes
+    (`self.last_scores = scores`)."""
     layers = [model, *walk_layers(model)]
-    before = [(len(layer._inbound_nodes), len(layer._outbound_nodes)) for layer in layers]
+    before = [(len(layer._inbound_nodes), len(layer._outbound_nodes), dict(vars(layer)))
+              for layer in layers]
     try:
         yield
     finally:
-        for layer, (inbound, outbound) in zip(layers, before):
+        for layer, (inbound, outbound, attributes) in zip(layers, before):
             del layer._inbound_nodes[inbound:]
             del layer._outbound_nodes[outbound:]
+            state = vars(layer)
+            for key in state.keys() - attributes.keys():
+                del state[key]
+            state.update(attributes)
 
 
 def _keras_kind(op) -> str:
@@ -979,10 +1048,10 @@ def _passes(layer) -> bool:
 def _activation_commutes(layer) -> bool:
     """Whether `layer`'s `activation` (a producer's, an Activation layer's, a depthwise conv's)
     acts channel by channel: a Keras built-in other than glu (which halves the channels), or any
-    other function (keras_hub's `gelu_approximate`) that passes a trial run: on random inputs,
-    reordering the channels by the transposition (0 1), the cycle (0 1 ... 7) and a random
-    permutation, which generate them all, reorders its output alike (GroupSort, which sorts within
-    groups of channels, fails it)."""
+    other function (keras_hub's `gelu_approximate`) that passes a trial run: on random inputs of
+    the layer's output shape, at two scales, reordering the channels by the transposition (0 1),
+    the cycle (0 1 ... C-1) and a random permutation, which generate them all, reorders its output
+    alike (GroupSort, which sorts within groups of channels, fails it)."""
     activation = getattr(layer, "activation", None)
     if activation is None:
         return True
@@ -993,13 +1062,20 @@ def _activation_commutes(layer) -> bool:
     if isinstance(name, str) and getattr(keras.activations, name, None) is activation:
         return name != "glu"
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(3, 5, 8)).astype(layer.compute_dtype)
-    perms = (np.r_[1, 0, 2:8], np.roll(np.arange(8), 1), rng.permutation(8))
     try:
-        expected = keras.ops.convert_to_numpy(activation(x)).astype("float64")
-        return expected.shape == x.shape and bool(np.isfinite(expected).all()) and all(
-            np.allclose(keras.ops.convert_to_numpy(activation(x[..., p])), expected[..., p],
-                        rtol=1e-5, atol=1e-6) for p in perms)
+        shape = [3 if d is None else d for d in layer.output.shape]
+        channels = shape[-1]
+        perms = (np.r_[1, 0, 2:channels], np.roll(np.arange(channels), 1),
+                 rng.permutation(channels))
+        for scale in (1.0, 30.0):
+            x = (scale * rng.normal(size=shape)).astype(layer.compute_dtype)
+            expected = keras.ops.convert_to_numpy(activation(x)).astype("float64")
+            tolerance = 1e-5 * max(1.0, float(np.abs(expected).max(initial=0.0)))
+            if expected.shape != x.shape or not np.isfinite(expected).all() or not all(
+                    np.allclose(keras.ops.convert_to_numpy(activation(x[..., p])),
+                                expected[..., p], rtol=1e-5, atol=tolerance) for p in perms):
+                return False
+        return True
     except Exception:  # noqa: BLE001 - a function that cannot be tried is not followed
         return False
 
@@ -1498,6 +1574,8 @@ def permute(
     tensor, and a custom layer holding sublayers whose call can be followed on symbolic inputs (a
     transformer block written as a Layer), are followed through as their own graph (their layers
     reported as 'outer/inner'; when a custom layer's call is not, the reason is in the reports).
+    The copy is checked against the model on random inputs; if following custom layers' calls
+    made it differ, they are not followed (with a warning).
     The copy of the model (made as `tf_sparse24.prune` makes its copies) computes the same function
     as `model` (up to float rounding) but its 2:4 masks keep more. Run it on the trained dense
     model, before `tf_sparse24.prune`. The caller's model is not changed.
@@ -1535,20 +1613,76 @@ def permute(
         TypeError: for a subclassed model or a non-model.
         ValueError: for an unbuilt model, an unknown layer name, a consumer kernel with NaN/Inf
             (naming the layer) or a weight shared by two layers (copies would untie it).
+        RuntimeError: if the copy still computes otherwise than the model (a bug).
 
     Example:
         >>> model, reports = tf_sparse24.permute(model)
         >>> model = tf_sparse24.prune(model)
     """
     _check_model(model, "permute")
-    with _restoring_nodes(model):
-        return _permute(model, layers, kicks, seed, block_channels, max_channels, progress,
-                        print_fn)
+    search = {"kicks": kicks, "seed": seed, "block_channels": block_channels}
+    with _restoring_layers(model):  # also undoes what the checks' calls set on the layers
+        copy, reports, followed = _permute(model, layers, search, max_channels, progress, True)
+        if followed and (difference := _difference(model, copy)):
+            warnings.warn(
+                f"permute(): following the calls of the custom layers of model {model.name!r} "
+                f"made a copy that computes otherwise ({difference}); permuted again without "
+                "following them. Please report this.", stacklevel=2)
+            copy, reports, _ = _permute(model, layers, search, max_channels, progress, False)
+        if difference := _difference(model, copy):
+            raise RuntimeError(
+                f"permute(): the permuted copy of model {model.name!r} does not compute what the "
+                f"model does ({difference}); nothing was returned. Please report this.")
+    if print_fn is not None:
+        for r in reports:
+            what = (f"kept |w| {r.kept_before:.4g} -> {r.kept_after:.4g} (+{r.gain_percent:.2f}%, "
+                    f"efficacy {r.efficacy:.1f}%)" if r.permuted else f"skipped: {r.reason}")
+            where = (f"{r.producer} value heads -> its output projection [{r.heads} x "
+                     f"{r.channels} ch]" if r.heads else
+                     f"{'+'.join(r.producers) or '-'} -> {', '.join(r.consumers)} "
+                     f"[{r.channels} ch]")
+            print_fn(f"{where}: {what}")
+    return copy, reports
 
 
-def _permute(model, layers, kicks, seed, block_channels, max_channels, progress, print_fn):
-    """`permute` on a checked model."""
-    graph = _graph(model)
+def _difference(model: keras.Model, copy: keras.Model) -> str:
+    """How the outputs of `model` and `copy` differ on random inputs ('' when they agree within
+    float rounding, or when they cannot be compared): inputs of the model's shapes and dtypes
+    (token ids 0 and 1), two lengths for unknown dimensions, inference mode. Not for models with
+    stateful layers (a call would change their state) or that give other outputs on each call."""
+    if any(getattr(layer, "stateful", False) for layer in walk_layers(model)):
+        return ""
+    rng = np.random.default_rng(0)
+    for length in (5, 11):
+        def draw(spec, length=length):
+            shape = [2 if i == 0 and d is None else length if d is None else d
+                     for i, d in enumerate(spec.shape)]
+            if "int" in spec.dtype or spec.dtype == "bool":
+                return rng.integers(0, 2, size=shape).astype(spec.dtype)
+            return rng.normal(size=shape).astype(spec.dtype)
+
+        try:
+            inputs = keras.tree.map_structure(draw, model.input)
+            runs = [keras.tree.flatten(m(inputs, training=False)) for m in (model, model, copy)]
+            runs = [[keras.ops.convert_to_numpy(y) for y in run] for run in runs]
+        except Exception:  # noqa: BLE001 - inputs it cannot make up (strings): not compared
+            return ""
+        for first, again, ours in zip(*runs):
+            if not np.array_equal(first, again, equal_nan=True):
+                return ""  # random in inference: nothing to compare
+            dtype = np.dtype(ours.dtype) if ours.dtype.kind == "f" else np.dtype("float32")
+            scale = float(np.nanmax(np.abs(first.astype("float64")), initial=0.0))
+            tolerance = max(1e-6, min(0.05, 1e3 * float(np.finfo(dtype).eps))) * max(scale, 1e-30)
+            if not np.allclose(ours, first, rtol=0, atol=tolerance, equal_nan=True):
+                error = float(np.nanmax(np.abs(ours.astype("float64") - first)))
+                return f"max |difference| {error:.3g} at output scale {scale:.3g}"
+    return ""
+
+
+def _permute(model, layers, search_options: dict, max_channels, progress, follow: bool) -> tuple:
+    """`permute` on a checked model, its custom layers' calls followed or not: `(copy, reports,
+    whether any custom layer was followed)`."""
+    graph = _graph(model, follow)
     # Names from a report ('outer/inner': inside an inlined model, or an attention layer inside
     # another layer) select that layer; a selected container selects what it holds.
     attention, repeated = _attention_layers(graph)
@@ -1575,8 +1709,7 @@ def _permute(model, layers, kicks, seed, block_channels, max_channels, progress,
                leave=False, disable=not (progress and (plans or head_plans)))
 
     def search(rows: np.ndarray) -> np.ndarray:
-        return search_permutation(rows, axis=1, kicks=kicks, seed=seed,
-                                  block_channels=block_channels)
+        return search_permutation(rows, axis=1, **search_options)
 
     for plan in plans:
         perm = search(plan.rows)
@@ -1596,16 +1729,7 @@ def _permute(model, layers, kicks, seed, block_channels, max_channels, progress,
             _efficacy(plan.rows, perms), (name,), heads=len(perms)))
         bar.update()
     bar.close()
-    if print_fn is not None:
-        for r in reports:
-            what = (f"kept |w| {r.kept_before:.4g} -> {r.kept_after:.4g} (+{r.gain_percent:.2f}%, "
-                    f"efficacy {r.efficacy:.1f}%)" if r.permuted else f"skipped: {r.reason}")
-            where = (f"{r.producer} value heads -> its output projection [{r.heads} x "
-                     f"{r.channels} ch]" if r.heads else
-                     f"{'+'.join(r.producers) or '-'} -> {', '.join(r.consumers)} "
-                     f"[{r.channels} ch]")
-            print_fn(f"{where}: {what}")
-    return copy, reports
+    return copy, reports, bool(graph.followed)
 
 
 def _copy_model(model: keras.Model) -> tuple[keras.Model, dict[int, keras.Operation]]:
@@ -1669,7 +1793,8 @@ def _apply(graph: _Graph, copies: dict, space: _Space, perm: np.ndarray) -> None
         # BatchNormalization/LayerNormalization: [C]; probed layers: [..., C]; depthwise: kernel
         # [..., C, 1], bias [C]; grouped depthwise ConvND: kernel [..., 1, C], bias [C]; keras ops
         # have no weights.
-        layer = copy_of(name) if isinstance(graph.ops[name], keras.layers.Layer) else None
+        op = graph.ops[name]  # a weightless one needs no copy (a layer made in a traced call)
+        layer = copy_of(name) if isinstance(op, keras.layers.Layer) and op.weights else None
         for variable in layer.weights if layer is not None else []:
             depthwise = _keras_kind(layer) in _DEPTHWISE and variable.ndim > 1
             take(variable, variable.ndim - 2 if depthwise else variable.ndim - 1, offset)
