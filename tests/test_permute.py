@@ -2,6 +2,7 @@
 
 import itertools
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -1803,3 +1804,79 @@ def test_permute_follows_a_call_that_makes_weightless_layers_and_leaves_its_stat
     assert (block.calls, block.last) == state
     _assert_same_function(model, permuted, _x(5, 16, seed=85))
     assert [r.producers for r in reports if r.permuted] == [("pre", "block/proj")]
+
+
+class _TrainingMix(keras.layers.Layer):
+    """Scales its channels; when training, also mixes each with its neighbour."""
+
+    def build(self, shape):
+        self.gamma = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x, training=None):
+        y = x * self.gamma
+        return y + 0.5 * keras.ops.roll(y, 1, axis=-1) if training else y
+
+
+class _ScalarGate(keras.layers.Layer):
+    """ReZero's `x * alpha`, a scalar weight."""
+
+    def build(self, shape):
+        self.alpha = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        return x * self.alpha
+
+
+class _CountsCalls(keras.layers.Layer):
+    """Counts its calls in a variable and records their losses: state a call changes."""
+
+    def build(self, shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x):
+        self.count.assign_add(1.0)
+        self.add_loss(keras.ops.mean(x**2))
+        return x
+
+
+def test_permute_tries_layers_in_training_mode_takes_scalar_weights_and_changes_no_state():
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(16, name="d0")(inputs)
+    x = keras.layers.Dense(16, name="d1")(_TrainingMix(name="mix")(x))
+    x = keras.layers.Dense(16, name="d2")(_CountsCalls(name="counts")(_ScalarGate(name="gate")(x)))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="d3")(x))
+    _randomize(model, seed=86)
+    data = _x(3, 16, seed=87)
+    model(data)
+    counts, losses = model.get_layer("counts").count.numpy(), [float(v) for v in model.losses]
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    for training in (False, True):
+        np.testing.assert_allclose(permuted(data, training=training), model(data, training=training),
+                                   rtol=1e-5, atol=1e-5)
+    reasons = {r.consumers: r.reason for r in reports if not r.permuted}
+    assert "'mix' (_TrainingMix), which cannot be permuted" in reasons[("d1",)]
+    assert [r.producers for r in reports if r.permuted] == [("d1",), ("d2",)]  # d1 -> gate -> d2
+    assert model.get_layer("counts").count.numpy() == counts + 2  # the two calls above only
+    model(data)  # a call to clear the losses of the two above
+    assert [float(v) for v in model.losses] == losses
+
+
+def test_permute_compares_a_mixed_precision_model_at_its_compute_precision():
+    # float16 rounding, which the permuted copy rounds otherwise, reaches the float32 head (as
+    # Keras' mixed precision guide has it): compared at float32 precision, a false alarm.
+    keras.utils.set_random_seed(8)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        inputs = keras.Input((64,))
+        x = inputs
+        for i in range(8):
+            x = keras.layers.Dense(256, activation="relu", name=f"d{i}")(x)
+        model = keras.Model(inputs, keras.layers.Dense(10, dtype="float32", name="head")(x))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "computes otherwise" warning, no RuntimeError
+        _, reports = permute(model, kicks=0, progress=False)
+    assert sum(r.permuted for r in reports) == 8

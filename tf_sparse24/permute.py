@@ -818,22 +818,33 @@ def _trace(layer: keras.layers.Layer, arguments, unknown: int | None, training: 
 
 @contextlib.contextmanager
 def _restoring_layers(model: keras.Model):
-    """Leaves every layer of `model` as it was: `_traced_graph` runs custom layers' calls, which
-    add Keras nodes (the record of symbolic calls) to their sublayers and may set attributes
-    (`self.last_scores = scores`)."""
+    """Leaves the attributes of every layer of `model` as they were (lists and dicts: their
+    contents): `_traced_graph` runs custom layers' calls, which add Keras nodes (the record of
+    symbolic calls) to their sublayers and may set attributes (`self.last_scores = scores`), and
+    `_difference` calls the model (losses). Variables are left alone by those calls'
+    stateless scopes."""
     layers = [model, *walk_layers(model)]
-    before = [(len(layer._inbound_nodes), len(layer._outbound_nodes), dict(vars(layer)))
-              for layer in layers]
+    before = []
+    for layer in layers:  # lists and dicts (nodes, losses) are changed in place: their contents
+        attributes = dict(vars(layer))
+        contents = {k: list(v) if isinstance(v, list) else dict(v) for k, v in attributes.items()
+                    if isinstance(v, (list, dict))  # and plain or Keras' (not TF's wrappers)
+                    and type(v).__module__.split(".")[0] in ("builtins", "keras")}
+        before.append((attributes, contents))
     try:
         yield
     finally:
-        for layer, (inbound, outbound, attributes) in zip(layers, before):
-            del layer._inbound_nodes[inbound:]
-            del layer._outbound_nodes[outbound:]
+        for layer, (attributes, contents) in zip(layers, before):
             state = vars(layer)
             for key in state.keys() - attributes.keys():
                 del state[key]
             state.update(attributes)
+            for key, content in contents.items():  # base methods: Keras' tracked ones are locked
+                if isinstance(content, list):
+                    list.__setitem__(attributes[key], slice(None), content)
+                else:
+                    dict.clear(attributes[key])
+                    dict.update(attributes[key], content)
 
 
 def _keras_kind(op) -> str:
@@ -1135,7 +1146,8 @@ def _probe(graph: _Graph, name: str, produces: bool = False) -> bool:
     Keras examples' TokenAndPositionEmbedding: token and position tables added).
 
     Only for layers whose weights all have C entries along their last axis (`[C]` vectors, a
-    learned position table `[L, C]`; a producer needs one) and whose output has C channels (and,
+    learned position table `[L, C]`; a producer needs one), or are scalars (ReZero's alpha, left
+    as they are), and whose output has C channels (and,
     to act channel by channel, every input): the copy runs on random inputs, then on the same
     inputs with their channels reordered (not for `produces`) and its weights reordered alike along
     their last axis, for the permutations (0 1), (0 1 ... C-1), which generate all of them, and one
@@ -1152,8 +1164,8 @@ def _commutes_when_run(graph: _Graph, name: str, move_inputs: bool) -> bool:
     layer, channels = graph.ops[name], _output_channels(graph.ops[name])
     if (channels is None or channels < 2 or not isinstance(layer, keras.layers.Layer)
             or isinstance(layer, (keras.Model, keras.layers.InputLayer)) or not layer.built
-            or any(not w.shape or w.shape[-1] != channels for w in layer.weights)
-            or not (move_inputs or layer.weights)):
+            or any(len(w.shape) and w.shape[-1] != channels for w in layer.weights)
+            or not (move_inputs or any(len(w.shape) for w in layer.weights))):
         return False
     call = graph.calls.get(name, {})  # a Sequential layer: called on its one input
     kwargs, args = call.get("kwargs", {}), call.get("args", [])
@@ -1169,11 +1181,15 @@ def _commutes_when_run(graph: _Graph, name: str, move_inputs: bool) -> bool:
               for spec in specs for shape in [[2 if d is None else d for d in spec["shape"]]]]
     weights = [np.asarray(w) for w in layer.get_weights()]
 
-    def run(copy, perm: np.ndarray) -> np.ndarray:
+    # A layer that takes `training` is tried in both modes (it might act otherwise in training).
+    modes = [kwargs, *([{**kwargs, "training": True}] if "training" in inspect.signature(
+        layer.call).parameters else [])]
+
+    def run(copy, perm: np.ndarray, mode: dict) -> np.ndarray:
         moved = [x[..., perm] for x in inputs] if move_inputs else inputs
-        if weights:
-            copy.set_weights([w[..., perm] for w in weights])
-        out = copy(moved, **kwargs) if packed else copy(*moved, **kwargs)
+        if weights:  # scalars (ReZero's alpha) stay as they are
+            copy.set_weights([w[..., perm] if w.ndim else w for w in weights])
+        out = copy(moved, **mode) if packed else copy(*moved, **mode)
         return keras.ops.convert_to_numpy(out).astype("float64")
 
     try:
@@ -1183,12 +1199,15 @@ def _commutes_when_run(graph: _Graph, name: str, move_inputs: bool) -> bool:
             copy(inputs, **kwargs) if packed else copy(*inputs, **kwargs)
         if {id(v) for v in copy.weights} & {id(v) for v in layer.weights}:
             return False  # its config hands over the layer's own state: trying would change it
-        expected = run(copy, identity)
-        scale = max(1.0, float(np.abs(expected).max()))
         perms = (np.r_[1, 0, 2:channels], np.roll(identity, 1), rng.permutation(channels))
-        return bool(np.isfinite(expected).all()) and all(
-            np.allclose(run(copy, perm), expected[..., perm], rtol=1e-5, atol=1e-6 * scale)
-            for perm in perms)
+        for mode in modes:
+            expected = run(copy, identity, mode)
+            scale = max(1.0, float(np.abs(expected).max()))
+            if not np.isfinite(expected).all() or not all(
+                    np.allclose(run(copy, perm, mode), expected[..., perm], rtol=1e-5,
+                                atol=1e-6 * scale) for perm in perms):
+                return False
+        return True
     except Exception:  # noqa: BLE001 - a layer that cannot be tried is not used
         return False
 
@@ -1648,10 +1667,17 @@ def permute(
 def _difference(model: keras.Model, copy: keras.Model) -> str:
     """How the outputs of `model` and `copy` differ on random inputs ('' when they agree within
     float rounding, or when they cannot be compared): inputs of the model's shapes and dtypes
-    (token ids 0 and 1), two lengths for unknown dimensions, inference mode. Not for models with
-    stateful layers (a call would change their state) or that give other outputs on each call."""
-    if any(getattr(layer, "stateful", False) for layer in walk_layers(model)):
+    (token ids 0 and 1), two lengths for unknown dimensions, inference mode, in a stateless scope
+    (no variable, seed or loss of the model changes). Rounding: 1000 ulps of the lowest compute
+    precision in the model at the output's scale, or, for a model that rounding alone moves more
+    (ill-conditioned), 10 times what perturbing the copy's weights by one ulp moves it. Not for
+    models with stateful layers, or whose outputs differ from call to call."""
+    layers = walk_layers(model)
+    if any(getattr(layer, "stateful", False) for layer in layers):
         return ""
+    ulp = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+    eps = max(ulp.get(getattr(layer, "compute_dtype", None), 0.0) for layer in [model, *layers])
+    eps = eps or ulp["float32"]
     rng = np.random.default_rng(0)
     for length in (5, 11):
         def draw(spec, length=length):
@@ -1661,22 +1687,48 @@ def _difference(model: keras.Model, copy: keras.Model) -> str:
                 return rng.integers(0, 2, size=shape).astype(spec.dtype)
             return rng.normal(size=shape).astype(spec.dtype)
 
+        def outputs(m, inputs, calls: int = 1) -> list[list[np.ndarray]]:
+            # One scope for the calls: a random layer's seed moves on between them, as it would.
+            with keras.StatelessScope():
+                runs = [keras.tree.flatten(m(inputs, training=False)) for _ in range(calls)]
+            return [[np.asarray(keras.ops.convert_to_numpy(y), "float64") for y in run]
+                    for run in runs]
+
         try:
             inputs = keras.tree.map_structure(draw, model.input)
-            runs = [keras.tree.flatten(m(inputs, training=False)) for m in (model, model, copy)]
-            runs = [[keras.ops.convert_to_numpy(y) for y in run] for run in runs]
-        except Exception:  # noqa: BLE001 - inputs it cannot make up (strings): not compared
+            (first, again), (ours,) = outputs(model, inputs, 2), outputs(copy, inputs)
+        except Exception:  # noqa: BLE001 - inputs it cannot make up (strings), string outputs
             return ""
-        for first, again, ours in zip(*runs):
-            if not np.array_equal(first, again, equal_nan=True):
-                return ""  # random in inference: nothing to compare
-            dtype = np.dtype(ours.dtype) if ours.dtype.kind == "f" else np.dtype("float32")
-            scale = float(np.nanmax(np.abs(first.astype("float64")), initial=0.0))
-            tolerance = max(1e-6, min(0.05, 1e3 * float(np.finfo(dtype).eps))) * max(scale, 1e-30)
-            if not np.allclose(ours, first, rtol=0, atol=tolerance, equal_nan=True):
-                error = float(np.nanmax(np.abs(ours.astype("float64") - first)))
-                return f"max |difference| {error:.3g} at output scale {scale:.3g}"
+        if any(not np.array_equal(a, b, equal_nan=True) for a, b in zip(first, again)):
+            return ""  # random in inference: nothing to compare
+        for index, (theirs, mine) in enumerate(zip(first, ours)):
+            scale = float(np.nanmax(np.abs(theirs), initial=0.0))
+            error = float(np.nanmax(np.abs(mine - theirs), initial=0.0))
+            if np.array_equal(np.isnan(mine), np.isnan(theirs)) and error <= max(
+                    1e-6, min(0.05, 1e3 * eps)) * max(scale, 1e-30):
+                continue
+            if error <= 10 * _rounding_sensitivity(copy, inputs, index, eps, mine):
+                continue
+            return f"max |difference| {error:.3g} at output scale {scale:.3g}"
     return ""
+
+
+def _rounding_sensitivity(copy: keras.Model, inputs, index: int, eps: float,
+                          output: np.ndarray) -> float:
+    """How far output `index` of `copy` (`output` at `inputs`) moves when each of its float
+    weights is scaled by 1 +- `eps` (random signs): what rounding alone can do to it. The
+    weights are put back after."""
+    rng = np.random.default_rng(1)
+    weights = copy.get_weights()
+    try:
+        copy.set_weights([w * (1 + eps * rng.choice([-1.0, 1.0], size=w.shape)).astype(w.dtype)
+                          if w.dtype.kind == "f" else w for w in weights])
+        with keras.StatelessScope():
+            moved = keras.tree.flatten(copy(inputs, training=False))[index]
+        return float(np.nanmax(np.abs(np.asarray(keras.ops.convert_to_numpy(moved), "float64")
+                                      - output), initial=0.0))
+    finally:
+        copy.set_weights(weights)
 
 
 def _permute(model, layers, search_options: dict, max_channels, progress, follow: bool) -> tuple:
@@ -1796,6 +1848,8 @@ def _apply(graph: _Graph, copies: dict, space: _Space, perm: np.ndarray) -> None
         op = graph.ops[name]  # a weightless one needs no copy (a layer made in a traced call)
         layer = copy_of(name) if isinstance(op, keras.layers.Layer) and op.weights else None
         for variable in layer.weights if layer is not None else []:
+            if variable.ndim == 0:  # a probed layer's scalar (ReZero's alpha)
+                continue
             depthwise = _keras_kind(layer) in _DEPTHWISE and variable.ndim > 1
             take(variable, variable.ndim - 2 if depthwise else variable.ndim - 1, offset)
     for name, offset in space.consumers.items():
