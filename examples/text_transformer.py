@@ -9,8 +9,13 @@ are lower-cased, the 8,000 most frequent training words form the vocabulary.
 
 The model has no position embedding (a bag-of-contexts attention classifier), so the same
 architecture builds with Keras 3 and with tf_keras (for the tfmot comparison in bench/accuracy.py).
+`--custom-layers` builds it as keras.io's "Text classification with Transformer" example writes
+it instead: a custom `TokenAndPositionEmbedding` layer (token table plus a learned position table)
+and a custom `TransformerBlock` layer without a build(), which `tf_sparse24.permute` follows by
+running its call on symbolic inputs (Keras 3 only).
 
-    python examples/text_transformer.py          # a few minutes on 2 cores
+    python examples/text_transformer.py                  # a few minutes on 2 cores
+    python examples/text_transformer.py --custom-layers
 """
 
 from __future__ import annotations
@@ -81,13 +86,59 @@ def build_model(k=keras) -> "keras.Model":
     return k.Model(tokens, k.layers.Dense(2, name="logits")(x), name="text_transformer")
 
 
+@keras.saving.register_keras_serializable(package="text_transformer")
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """Token table rows plus a learned position table looked up at 0 .. length-1."""
+
+    def __init__(self, maxlen: int, vocab_size: int, embed_dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.token_emb = keras.layers.Embedding(vocab_size, embed_dim)
+        self.pos_emb = keras.layers.Embedding(maxlen, embed_dim)
+
+    def call(self, x):
+        positions = self.pos_emb(keras.ops.arange(keras.ops.shape(x)[-1]))
+        return self.token_emb(x) + positions
+
+
+@keras.saving.register_keras_serializable(package="text_transformer")
+class TransformerBlock(keras.layers.Layer):
+    """Self-attention, dropout, add & norm, then a Sequential feed-forward network, dropout, add &
+    norm. No build(): its sublayers make their weights when first called."""
+
+    def __init__(self, embed_dim: int, num_heads: int, ff_dim: int, rate: float = 0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.att = keras.layers.MultiHeadAttention(num_heads, embed_dim // num_heads, name="att")
+        self.ffn = keras.Sequential([keras.layers.Dense(ff_dim, activation="relu", name="ffn1"),
+                                     keras.layers.Dense(embed_dim, name="ffn2")], name="ffn")
+        self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.drop1, self.drop2 = keras.layers.Dropout(rate), keras.layers.Dropout(rate)
+
+    def call(self, inputs, training=False):
+        x = self.norm1(inputs + self.drop1(self.att(inputs, inputs), training=training))
+        return self.norm2(x + self.drop2(self.ffn(x), training=training))
+
+
+def build_custom_layers_model(maxlen: int = SEQ_LEN, vocab: int = VOCAB, dim: int = DIM,
+                              heads: int = HEADS, ffn: int = FFN) -> keras.Model:
+    """The same classifier written with the custom layers above, as keras.io's example does."""
+    tokens = keras.Input((maxlen,), dtype="int32", name="tokens")
+    x = TokenAndPositionEmbedding(maxlen, vocab, dim, name="embed")(tokens)
+    x = TransformerBlock(dim, heads, ffn, name="block")(x)
+    x = keras.layers.Dropout(0.2)(keras.layers.GlobalAveragePooling1D()(x))
+    return keras.Model(tokens, keras.layers.Dense(2, name="logits")(x), name="text_blocks")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--custom-layers", action="store_true",
+                        help="build the model from keras.io-style custom layers")
     args = parser.parse_args(argv)
     keras.utils.set_random_seed(args.seed)
-    return workflow.run(f"text transformer, Rotten Tomatoes, seed {args.seed}",
-                        load_data(args.seed), build_model, epochs=EPOCHS,
+    build = build_custom_layers_model if args.custom_layers else build_model
+    return workflow.run(f"text transformer{' (custom layers)' * args.custom_layers}, Rotten "
+                        f"Tomatoes, seed {args.seed}", load_data(args.seed), build, epochs=EPOCHS,
                         finetune_epochs=FINETUNE_EPOCHS, lr=LR, batch_size=BATCH_SIZE)
 
 

@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.examples import example
 
 from tf_sparse24 import prune
 from tf_sparse24.permute import (
@@ -22,6 +23,9 @@ from tf_sparse24.permute import (
     search_permutation,
 )
 from tf_sparse24.prune import walk_layers
+
+TokenAndPositionEmbedding = example("text_transformer").TokenAndPositionEmbedding
+TransformerBlock = example("text_transformer").TransformerBlock  # keras.io's, no build()
 
 
 def _kept_reference(matrix, perm):
@@ -1398,32 +1402,10 @@ def test_permute_names_attention_layers_by_their_whole_path_and_selects_by_it():
             "inner/inner_d", "inner/inner_mha", "inner/inner_mha"]
 
 
-class _TransformerBlock(keras.layers.Layer):
-    """Keras' own text-classification example's TransformerBlock, as written there: no build()
-    (the sublayers make their weights when first called), no get_config(), dropout and a
-    Sequential feed-forward network."""
-
-    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
-        super().__init__(**kwargs)
-        self.att = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential([keras.layers.Dense(ff_dim, activation="relu"),
-                                     keras.layers.Dense(embed_dim)])
-        self.layernorm1 = keras.layers.LayerNormalization(epsilon=1e-6)
-        self.layernorm2 = keras.layers.LayerNormalization(epsilon=1e-6)
-        self.dropout1 = keras.layers.Dropout(rate)
-        self.dropout2 = keras.layers.Dropout(rate)
-
-    def call(self, inputs, training=False):
-        attn_output = self.dropout1(self.att(inputs, inputs), training=training)
-        out1 = self.layernorm1(inputs + attn_output)
-        ffn_output = self.dropout2(self.ffn(out1), training=training)
-        return self.layernorm2(out1 + ffn_output)
-
-
 def test_permute_follows_the_residual_stream_through_a_custom_transformer_block():
     tokens = keras.Input((6,), dtype="int32")
     x = keras.layers.Embedding(20, 16, name="embed")(tokens)
-    x = _TransformerBlock(16, 2, 32, name="block")(x)
+    x = TransformerBlock(16, 2, 32, name="block")(x)
     x = keras.layers.GlobalAveragePooling1D()(x)
     model = keras.Model(tokens, keras.layers.Dense(4, name="out")(
         keras.layers.Dense(16, activation="relu", name="fc")(x)))
@@ -1578,20 +1560,7 @@ def test_permute_follows_each_tensor_input_of_a_custom_layer_to_its_own_space():
     assert spaces[("dc",)] == (("block/cross",), 12)  # key and value
 
 
-class _TokenAndPosition(keras.layers.Layer):
-    """keras.io's TokenAndPositionEmbedding: a position table looked up at 0 .. length-1 (outside
-    what a symbolic call can follow) added to the token table's rows."""
-
-    def __init__(self, length, vocab, dim, **kwargs):
-        super().__init__(**kwargs)
-        self.token_emb = keras.layers.Embedding(vocab, dim)
-        self.pos_emb = keras.layers.Embedding(length, dim)
-
-    def call(self, x):
-        return self.token_emb(x) + self.pos_emb(keras.ops.arange(keras.ops.shape(x)[-1]))
-
-
-class _MixedEmbedding(_TokenAndPosition):
+class _MixedEmbedding(TokenAndPositionEmbedding):
     """Mixes the channels after the lookup (weights [C, C]): its output channels do not follow
     its weights' order."""
 
@@ -1607,12 +1576,12 @@ class _MixedEmbedding(_TokenAndPosition):
 def test_permute_finds_by_a_trial_run_a_custom_layer_that_produces_channels_from_its_tables():
     def model_of(embedding):
         tokens = keras.Input((6,), dtype="int32")
-        x = _TransformerBlock(16, 2, 32, name="block")(embedding(tokens))
+        x = TransformerBlock(16, 2, 32, name="block")(embedding(tokens))
         return keras.Model(tokens, keras.layers.Dense(4, name="out")(
             keras.layers.GlobalAveragePooling1D()(x)))
 
     data = np.random.default_rng(71).integers(0, 20, (4, 6))
-    for embedding, producer in ((_TokenAndPosition(6, 20, 16, name="embed"), True),
+    for embedding, producer in ((TokenAndPositionEmbedding(6, 20, 16, name="embed"), True),
                                 (_MixedEmbedding(6, 20, 16, name="embed"), False)):
         model = model_of(embedding)
         _randomize(model, seed=70)

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.examples import example
 from test_masks import reference_mask
 
 import tf_sparse24 as ts
@@ -1049,29 +1050,10 @@ def test_a_layer_quantized_inside_its_owner_is_a_clear_copy_error():
             copy(model)
 
 
-@keras.saving.register_keras_serializable("test_prune")
-class _LazyTransformerBlock(keras.layers.Layer):
-    """Keras' own text-classification example's TransformerBlock: no build() and no get_config()
-    (Keras records the constructor arguments), so its sublayers make their weights when first
-    called, and a copy made from its config and build config has none of them."""
-
-    def __init__(self, embed_dim, num_heads, ff_dim, **kwargs):
-        super().__init__(**kwargs)
-        self.att = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential(
-            [keras.layers.Dense(ff_dim, activation="relu"), keras.layers.Dense(embed_dim)]
-        )
-        self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6)
-        self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6)
-
-    def call(self, x):
-        h = self.norm1(x + self.att(x, x))
-        return self.norm2(h + self.ffn(h))
-
-
 def test_a_block_whose_sublayers_build_on_first_call_is_copied_saved_and_stripped(tmp_path):
     tokens = keras.Input((6,), dtype="int32")
-    h = _LazyTransformerBlock(8, 2, 16, name="block")(keras.layers.Embedding(50, 8)(tokens))
+    h = example("text_transformer").TransformerBlock(8, 2, 16, name="block")(
+        keras.layers.Embedding(50, 8)(tokens))  # keras.io's: no build(), no get_config()
     model = keras.Model(tokens, keras.layers.Dense(4, name="out")(h))
     x = np.random.default_rng(0).integers(0, 50, size=(3, 6))
     block = model.get_layer("block")
