@@ -696,8 +696,8 @@ def _traced_graph(
     outer graph's sources of its tensor inputs, in order; and why not ('' when it is followed, or
     when it holds no sublayers: such a layer is left to the trial run, `_probe`).
 
-    Followed only when the layer is called once, holds no weights of its own and reads none of its
-    sublayers' outside their calls (the trace would hold them as constants: a tied `x @
+    Followed only when the layer is called once, holds no weights of its own and reads no weight
+    of its sublayers outside their calls (the trace would hold them as constants: a tied `x @
     self.dense.kernel`), shares no sublayer with the graph around it (whose op ids are `top`), has
     every sublayer built (the caller's model is not to change), takes no Keras mask, returns one
     tensor, runs every sublayer with weights on what comes from its inputs, computes alike at
