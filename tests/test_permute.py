@@ -797,8 +797,8 @@ def test_permute_runs_through_nested_sequential_models():
 
 def test_permute_runs_through_a_nested_functional_base_model():
     # Transfer learning: a Functional base model (conv, BatchNorm, residual add) inside the model
-    # being pruned; spaces inside it, across its boundary, and a nested model with two inputs,
-    # which is not followed.
+    # being pruned; spaces inside it, across its boundary, and through a nested model with two
+    # inputs.
     layers = keras.layers
     base_in = keras.Input((6, 6, 4))
     c0 = layers.Conv2D(16, 1, name="c0")(base_in)
@@ -826,8 +826,8 @@ def test_permute_runs_through_a_nested_functional_base_model():
     assert stream.consumers == ("base/c1", "head0", "side")
     inner = report_of["base/c2"]
     assert inner.permuted and inner.producers == ("base/c1",)
-    assert report_of["head1"].reason == ("its input channels come from 'pair' (Functional), which "
-                                         "combines several inputs other than channel by channel")
+    pair = report_of["head1"]  # through 'pair', whose add joins head0's and side's channels
+    assert pair.permuted and pair.producers == ("head0", "side")
     assert not np.array_equal(permuted.get_layer("base").get_layer("bn").gamma.numpy(),
                               model.get_layer("base").get_layer("bn").gamma.numpy())
     only = permute(model, layers="base/c2", kicks=1, progress=False)[1]  # a name from a report
@@ -1849,3 +1849,20 @@ def test_permute_compares_a_mixed_precision_model_at_its_compute_precision():
         warnings.simplefilter("error")  # no "computes otherwise" warning, no RuntimeError
         _, reports = permute(model, kicks=0, progress=False)
     assert sum(r.permuted for r in reports) == 8
+
+
+def test_permute_maps_each_input_of_a_nested_model_to_its_own_source():
+    a, b = keras.Input((16,), name="a"), keras.Input((12,), name="b")
+    inner = keras.Model([a, b], keras.layers.Concatenate()(
+        [keras.layers.Dense(16, name="pa")(a), keras.layers.Dense(8, name="pb")(b)]),
+        name="inner")
+    inputs = keras.Input((8,))
+    y, z = keras.layers.Dense(16, name="y")(inputs), keras.layers.Dense(12, name="z")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(inner([y, z])))
+    _randomize(model, seed=88)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 8, seed=89))
+    spaces = {r.producers: r.consumers for r in reports if r.permuted}
+    assert spaces[("y",)] == ("inner/pa",) and spaces[("z",)] == ("inner/pb",)

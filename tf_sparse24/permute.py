@@ -606,8 +606,9 @@ def _inline_models(
     ops: dict, inputs: dict, widths: dict, calls: dict, outputs: set, follow: bool
 ) -> tuple[dict, set[int], set[str], dict[str, str], list[str]]:
     """Replaces by its own graph, its layers named 'outer/inner', so that channel spaces run
-    through it: each nested model (Sequential or Functional) that is called once on one tensor,
-    has one output and shares no layer with the graph around it (a keras.applications base model
+    through it: each nested model (Sequential or Functional) that is called once on one tensor (a
+    Functional one also on a list of tensors), has one output and shares no layer with the graph
+    around it (a keras.applications base model
     inside a transfer-learning model; ConvNeXt's stem and downsampling blocks), and each custom
     layer whose call can be followed (`_traced_graph`: a transformer block written as a Layer),
     if `follow`.
@@ -619,7 +620,7 @@ def _inline_models(
     new_ops, inlined, hidden, unfollowed, followed = {}, set(), set(), {}, []
     for name, op in ops.items():
         sub = _inlinable_graph(op, inputs.get(name, []), top, follow)
-        sources = inputs[name][0][:1] if sub is not None else []
+        sources = inputs[name][0] if sub is not None else []
         if sub is None and follow and _is_custom_layer(op):
             sub, sources, why = _traced_graph(op, inputs.get(name, []), top)
             if why:
@@ -661,12 +662,15 @@ def _inline_models(
 
 
 def _inlinable_graph(op, calls: list[list[str]], top: set[int], follow: bool) -> _Graph | None:
-    """The graph of `op` if `_inline_models` can put it in place of `op` (called once on one tensor
-    (`calls`: the sources of each call), one output that is not its input, no layer shared with
-    the graph around it whose op ids are `top`); else None."""
-    if not (isinstance(op, keras.Model) and op.built and len(calls) == 1 and len(calls[0]) == 1
+    """The graph of `op` if `_inline_models` can put it in place of `op` (called once (`calls`: the
+    sources of each call) on one tensor or, a Functional model, on a list of its inputs, one output
+    that is not its input, no layer shared with the graph around it whose op ids are `top`); else
+    None."""
+    if not (isinstance(op, keras.Model) and op.built and len(calls) == 1
             and isinstance(op.output, keras.KerasTensor)
-            and (isinstance(op, keras.Sequential) or len(op.inputs) == 1)
+            and (len(calls[0]) == 1 and (isinstance(op, keras.Sequential) or len(op.inputs) == 1)
+                 or not isinstance(op, keras.Sequential) and isinstance(op.input, (list, tuple))
+                 and len(op.inputs) == len(calls[0]))
             and not any(id(layer) in top for layer in walk_layers(op))):
         return None
     try:
@@ -1590,7 +1594,7 @@ def permute(
     those inside custom layers) each value head's channels are reordered on their own, for its
     output projection's 2:4 groups (a report with `heads` > 0). A nested model (Sequential or
     Functional: a keras.applications base model in a transfer-learning model) called once on one
-    tensor, and a custom layer holding sublayers whose call can be followed on symbolic inputs (a
+    tensor (a Functional one also on a list), and a custom layer holding sublayers whose call can be followed on symbolic inputs (a
     transformer block written as a Layer), are followed through as their own graph (their layers
     reported as 'outer/inner'; when a custom layer's call is not, the reason is in the reports).
     The copy is checked against the model on random inputs; if following custom layers' calls
@@ -1600,8 +1604,8 @@ def permute(
     model, before `tf_sparse24.prune`. The caller's model is not changed.
 
     Skipped, with a reason in the report: spaces that reach the model input, a model output, a
-    shared layer (called twice, or also inside a nested model), a nested model with several inputs
-    or outputs, a layer with several outputs, a custom activation function (on a producer or an
+    shared layer (called twice, or also inside a nested model), a nested model with several outputs
+    (or several inputs not passed as a list), a layer with several outputs, a custom activation function (on a producer or an
     Activation layer) that a trial run finds mixing channels, a keras op that is not elementwise (`x[:, :16]`,
     `keras.ops.flip`) or has a per-channel constant (`x + np.arange(16)`), any other layer not found
     to commute with a channel permutation (the rules are for Keras' own classes: a user's class,
