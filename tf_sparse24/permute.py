@@ -1684,23 +1684,9 @@ def _difference(model: keras.Model, copy: keras.Model) -> str:
     eps = eps or ulp["float32"]
     rng = np.random.default_rng(0)
     for length in (5, 11):
-        def draw(spec, length=length):
-            shape = [2 if i == 0 and d is None else length if d is None else d
-                     for i, d in enumerate(spec.shape)]
-            if "int" in spec.dtype or spec.dtype == "bool":
-                return rng.integers(0, 2, size=shape).astype(spec.dtype)
-            return rng.normal(size=shape).astype(spec.dtype)
-
-        def outputs(m, inputs, calls: int = 1) -> list[list[np.ndarray]]:
-            # One scope for the calls: a random layer's seed moves on between them, as it would.
-            with keras.StatelessScope():
-                runs = [keras.tree.flatten(m(inputs, training=False)) for _ in range(calls)]
-            return [[np.asarray(keras.ops.convert_to_numpy(y), "float64") for y in run]
-                    for run in runs]
-
         try:
-            inputs = keras.tree.map_structure(draw, model.input)
-            (first, again), (ours,) = outputs(model, inputs, 2), outputs(copy, inputs)
+            inputs = _random_inputs(model, length, rng)
+            (first, again), (ours,) = _outputs(model, inputs, 2), _outputs(copy, inputs)
         except Exception:  # noqa: BLE001 - inputs it cannot make up (strings), string outputs
             return ""
         if any(not np.array_equal(a, b, equal_nan=True) for a, b in zip(first, again)):
@@ -1708,13 +1694,36 @@ def _difference(model: keras.Model, copy: keras.Model) -> str:
         for index, (theirs, mine) in enumerate(zip(first, ours)):
             scale = float(np.nanmax(np.abs(theirs), initial=0.0))
             error = float(np.nanmax(np.abs(mine - theirs), initial=0.0))
-            if np.array_equal(np.isnan(mine), np.isnan(theirs)) and error <= max(
-                    1e-6, min(0.05, 1e3 * eps)) * max(scale, 1e-30):
+            if not np.array_equal(np.isnan(mine), np.isnan(theirs)):
+                return "NaN in other places"
+            if error <= max(1e-6, min(0.05, 1e3 * eps)) * max(scale, 1e-30):
                 continue
             if error <= 10 * _rounding_sensitivity(copy, inputs, index, eps, mine):
                 continue
             return f"max |difference| {error:.3g} at output scale {scale:.3g}"
     return ""
+
+
+def _random_inputs(model: keras.Model, length: int, rng: np.random.Generator):
+    """Inputs for `model`: its shapes (batch 2, other unknown dimensions `length`) and dtypes,
+    N(0, 1) floats, 0/1 integers (token ids any vocabulary has) and booleans."""
+    def draw(spec):
+        shape = [2 if i == 0 and d is None else length if d is None else d
+                 for i, d in enumerate(spec.shape)]
+        if "int" in spec.dtype or spec.dtype == "bool":
+            return rng.integers(0, 2, size=shape).astype(spec.dtype)
+        return rng.normal(size=shape).astype(spec.dtype)
+
+    return keras.tree.map_structure(draw, model.input)
+
+
+def _outputs(model: keras.Model, inputs, calls: int = 1) -> list[list[np.ndarray]]:
+    """`model`'s outputs on `inputs` in inference mode, `calls` times, as float64 arrays, in one
+    stateless scope: the model's variables (seeds, statistics) do not change, but a random layer's
+    seed moves on from call to call as it would."""
+    with keras.StatelessScope():
+        runs = [keras.tree.flatten(model(inputs, training=False)) for _ in range(calls)]
+    return [[np.asarray(keras.ops.convert_to_numpy(y), "float64") for y in run] for run in runs]
 
 
 def _rounding_sensitivity(copy: keras.Model, inputs, index: int, eps: float,
@@ -1727,10 +1736,8 @@ def _rounding_sensitivity(copy: keras.Model, inputs, index: int, eps: float,
     try:
         copy.set_weights([w * (1 + eps * rng.choice([-1.0, 1.0], size=w.shape)).astype(w.dtype)
                           if w.dtype.kind == "f" else w for w in weights])
-        with keras.StatelessScope():
-            moved = keras.tree.flatten(copy(inputs, training=False))[index]
-        return float(np.nanmax(np.abs(np.asarray(keras.ops.convert_to_numpy(moved), "float64")
-                                      - output), initial=0.0))
+        moved = _outputs(copy, inputs)[0][index]
+        return float(np.nanmax(np.abs(moved - output), initial=0.0))
     finally:
         copy.set_weights(weights)
 
