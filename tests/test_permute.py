@@ -1866,3 +1866,37 @@ def test_permute_maps_each_input_of_a_nested_model_to_its_own_source():
     _assert_same_function(model, permuted, _x(3, 8, seed=89))
     spaces = {r.producers: r.consumers for r in reports if r.permuted}
     assert spaces[("y",)] == ("inner/pa",) and spaces[("z",)] == ("inner/pb",)
+
+
+def test_permute_refuses_a_pruned_model():
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(keras.layers.Dense(16)(inputs)))
+    with pytest.raises(ValueError, match=r"already has Sparse24 layers .*permute the dense model"):
+        permute(prune(model), progress=False)
+
+
+class _Triples(keras.layers.Layer):
+    """Averages positions in threes: runs only on batch x length a multiple of 3."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(16, name="proj")
+
+    def call(self, x):
+        triples = keras.ops.reshape(x, (-1, 3, x.shape[-1]))
+        mixed = triples + keras.ops.mean(triples, axis=1, keepdims=True)
+        return self.proj(keras.ops.reshape(mixed, keras.ops.shape(x)))
+
+
+def test_permute_says_when_it_cannot_check_a_copy_whose_custom_layers_it_followed():
+    inputs = keras.Input((None, 16))
+    x = _Triples(name="block")(keras.layers.Dense(16, name="pre")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="post")(
+        keras.layers.Dense(16, name="mid")(x)))
+    _randomize(model, seed=90)
+
+    with pytest.warns(UserWarning, match=r"followed the calls of the custom layers \['block'\].*"
+                                         "could not check the copy"):
+        permuted, _ = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(2, 9, 16, seed=91))

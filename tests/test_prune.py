@@ -1170,3 +1170,27 @@ def test_a_shared_block_whose_first_call_leaves_weights_unmade_is_refused_before
     assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
     ts.strip(model)  # copies that are not wrapped are made by replaying its calls
     ts.permute(model, progress=False)
+
+
+def test_report_and_selectors_name_layers_inside_blocks():
+    class OwnKernel(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 8), name="w")
+
+        def call(self, x):
+            return x @ self.w
+
+    tokens = keras.Input((6,), dtype="int32")
+    block_type = example("text_transformer").TransformerBlock
+    h = keras.layers.Embedding(50, 8)(tokens)
+    h = block_type(8, 2, 16, name="b2")(block_type(8, 2, 16, name="b1")(h))
+    model = keras.Model(tokens, OwnKernel(name="mine")(h))
+
+    pruned = ts.prune(model, skip=["b1/ffn/ffn2"])  # one block's layer, by its path
+    kept = {w.layer.name: {pw.name for pw in w.pruned_weights} for w in ts.pruned_layers(pruned)}
+    assert "ffn/ffn2/kernel" not in kept["b1"] and "ffn/ffn2/kernel" in kept["b2"]
+    rows = {r.layer: r for r in ts.report(pruned, print_fn=None)}
+    assert rows["mine"].status == "skipped" and "no rule for this layer's own weights (w)" in (
+        rows["mine"].reason)
+    with pytest.raises(ValueError, match=r"no layer named \['b1/ffn/nothing'\]"):
+        ts.prune(model, skip=["b1/ffn/nothing"])

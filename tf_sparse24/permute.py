@@ -54,6 +54,7 @@ from tf_sparse24.prune import (
     _selector_list,
     _sublayers,
     clone_graph,
+    pruned_layers,
     symbolic_arguments,
     walk_layers,
 )
@@ -1634,7 +1635,8 @@ def permute(
 
     Raises:
         TypeError: for a subclassed model or a non-model.
-        ValueError: for an unbuilt model, an unknown layer name, a consumer kernel with NaN/Inf
+        ValueError: for an unbuilt or already pruned model (Sparse24 layers), an unknown layer
+            name, a consumer kernel with NaN/Inf
             (naming the layer) or a weight shared by two layers (copies would untie it).
         RuntimeError: if the copy still computes otherwise than the model (a bug).
 
@@ -1643,16 +1645,28 @@ def permute(
         >>> model = tf_sparse24.prune(model)
     """
     _check_model(model, "permute")
+    if wrapped := [w.name for w in pruned_layers(model)]:
+        raise ValueError(
+            f"permute(): model {model.name!r} already has Sparse24 layers {wrapped}: permute the "
+            "dense model, then prune it (a new channel order changes which weights 2:4 keeps).")
     search = {"kicks": kicks, "seed": seed, "block_channels": block_channels}
     with _restoring_layers(model):  # also undoes what the checks' calls set on the layers
         copy, reports, followed = _permute(model, layers, search, max_channels, progress, True)
-        if followed and (difference := _difference(model, copy)):
+        difference = _difference(model, copy)
+        if followed and difference:
             warnings.warn(
                 f"permute(): following the calls of the custom layers of model {model.name!r} "
                 f"made a copy that computes otherwise ({difference}); permuted again without "
                 "following them. Please report this.", stacklevel=2)
             copy, reports, _ = _permute(model, layers, search, max_channels, progress, False)
-        if difference := _difference(model, copy):
+            difference = _difference(model, copy)
+        elif followed and difference is None:
+            warnings.warn(
+                f"permute(): followed the calls of the custom layers {followed} of "
+                f"model {model.name!r}, but could not check the copy against the model on random "
+                "inputs (inputs it cannot make up, or outputs that differ from call to call): "
+                "compare them on your data.", stacklevel=2)
+        if difference:
             raise RuntimeError(
                 f"permute(): the permuted copy of model {model.name!r} does not compute what the "
                 f"model does ({difference}); nothing was returned. Please report this.")
@@ -1668,29 +1682,32 @@ def permute(
     return copy, reports
 
 
-def _difference(model: keras.Model, copy: keras.Model) -> str:
+def _difference(model: keras.Model, copy: keras.Model) -> str | None:
     """How the outputs of `model` and `copy` differ on random inputs ('' when they agree within
-    float rounding, or when they cannot be compared): inputs of the model's shapes and dtypes
-    (token ids 0 and 1), two lengths for unknown dimensions, inference mode, in a stateless scope
+    float rounding, None when they cannot be compared): inputs of the model's shapes and dtypes
+    (token ids 0 and 1), the first two lengths it runs at of 5, 11, 16, 4, 32, 8, 64 for unknown
+    dimensions, inference mode, in a stateless scope
     (no variable, seed or loss of the model changes). Rounding: 1000 ulps of the lowest compute
     precision in the model at the output's scale, or, for a model that rounding alone moves more
     (ill-conditioned), 10 times what perturbing the copy's weights by one ulp moves it. Not for
     models with stateful layers, or whose outputs differ from call to call."""
     layers = walk_layers(model)
     if any(getattr(layer, "stateful", False) for layer in layers):
-        return ""
+        return None
     ulp = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
     eps = max(ulp.get(getattr(layer, "compute_dtype", None), 0.0) for layer in [model, *layers])
     eps = eps or ulp["float32"]
     rng = np.random.default_rng(0)
-    for length in (5, 11):
+    compared = 0
+    for length in (5, 11, 16, 4, 32, 8, 64):  # the first two the model runs at
         try:
             inputs = _random_inputs(model, length, rng)
             (first, again), (ours,) = _outputs(model, inputs, 2), _outputs(copy, inputs)
-        except Exception:  # noqa: BLE001 - inputs it cannot make up (strings), string outputs
-            return ""
+        except Exception:  # noqa: BLE001, S112 - inputs it cannot make up (strings), string
+            continue  # outputs, or a length it does not take
         if any(not np.array_equal(a, b, equal_nan=True) for a, b in zip(first, again)):
-            return ""  # random in inference: nothing to compare
+            return None  # random in inference: nothing to compare
+        compared += 1
         for index, (theirs, mine) in enumerate(zip(first, ours)):
             scale = float(np.nanmax(np.abs(theirs), initial=0.0))
             error = float(np.nanmax(np.abs(mine - theirs), initial=0.0))
@@ -1701,7 +1718,9 @@ def _difference(model: keras.Model, copy: keras.Model) -> str:
             if error <= 10 * _rounding_sensitivity(copy, inputs, index, eps, mine):
                 continue
             return f"max |difference| {error:.3g} at output scale {scale:.3g}"
-    return ""
+        if compared == 2:
+            return ""
+    return "" if compared else None
 
 
 def _random_inputs(model: keras.Model, length: int, rng: np.random.Generator):
@@ -1744,7 +1763,7 @@ def _rounding_sensitivity(copy: keras.Model, inputs, index: int, eps: float,
 
 def _permute(model, layers, search_options: dict, max_channels, progress, follow: bool) -> tuple:
     """`permute` on a checked model, its custom layers' calls followed or not: `(copy, reports,
-    whether any custom layer was followed)`."""
+    the custom layers followed)`."""
     graph = _graph(model, follow)
     # Names from a report ('outer/inner': inside an inlined model, or an attention layer inside
     # another layer) select that layer; a selected container selects what it holds.
@@ -1792,7 +1811,7 @@ def _permute(model, layers, search_options: dict, max_channels, progress, follow
             _efficacy(plan.rows, perms), (name,), heads=len(perms)))
         bar.update()
     bar.close()
-    return copy, reports, bool(graph.followed)
+    return copy, reports, graph.followed
 
 
 def _copy_model(model: keras.Model) -> tuple[keras.Model, dict[int, keras.Operation]]:

@@ -139,22 +139,41 @@ def _selector_list(selectors) -> list:
     return list(selectors or [])
 
 
+def _at_path(model: keras.layers.Layer, path: str) -> keras.layers.Layer | None:
+    """The layer at `path` ('block/ffn/dense': names of layers inside layers, as reports write
+    them; a Sparse24 wrapper is passed through by its layer's name), or None."""
+    layer = model
+    for name in path.split("/"):
+        found = None
+        for sub in _sublayers(layer):
+            inner = sub.layer if isinstance(sub, Sparse24) else sub
+            if name in (sub.name, inner.name):
+                found = inner if name == inner.name else sub
+                break
+        if found is None:
+            return None
+        layer = found
+    return layer
+
+
 def _check_selectors(model, selectors, arg: str) -> list:
-    """`selectors` as a list, each a layer name or object of `model` or a layer class.
+    """`selectors` as a list, each a layer name, a path of names ('block/ffn/dense', see
+    `_at_path`) or an object of `model`, or a layer class.
 
     Raises:
         TypeError: for anything else.
         ValueError: naming the names, and the layer objects, that are not in `model` (a layer of
             the caller's model passed with its copy would select nothing).
     """
-    selectors = _selector_list(selectors)
     layers = walk_layers(model) + [
         layer for w in pruned_layers(model) for layer in [w.layer, *walk_layers(w.layer)]]
+    names = {layer.name for layer in layers}
+    selectors = [_at_path(model, s) or s if isinstance(s, str) and "/" in s and s not in names
+                 else s for s in _selector_list(selectors)]
     if wrong := [s for s in selectors if not isinstance(s, (str, type, keras.layers.Layer))]:
         raise TypeError(f"{arg}: expected layer names, layer objects or layer classes, got "
                         f"{wrong!r}.")
-    if unknown := [s for s in selectors if isinstance(s, str)
-                   and s not in {layer.name for layer in layers}]:
+    if unknown := [s for s in selectors if isinstance(s, str) and s not in names]:
         raise ValueError(f"{arg}: no layer named {unknown} in model {model.name!r}.")
     if outside := [s.name for s in selectors if isinstance(s, keras.layers.Layer)
                    and id(s) not in {id(layer) for layer in layers}]:
@@ -718,6 +737,16 @@ def _unpruned_row(layer, claimed: set[int], m: int) -> LayerReport | None:
             int(np.prod(v.shape)) for v in layer.weights if v.ndim >= 2 and id(v) not in claimed
         )
         row = LayerReport(layer.name, kind, "skipped", "; ".join(reasons), params, params, None)
+    elif not type(layer).__module__.startswith("keras.") and (unknown := [
+            v for v in own_variables(layer) if v.ndim >= 2 and id(v) not in claimed]):
+        # A user's layer with a kernel of its own (`x @ self.w`): which axis it reduces over is
+        # unknown, so it is left dense, and said so.
+        params = sum(int(np.prod(v.shape)) for v in unknown)
+        paths = ", ".join(v.path.split("/")[-1] for v in unknown)
+        row = LayerReport(
+            layer.name, kind, "skipped",
+            f"no rule for this layer's own weights ({paths}): to prune them, wrap it as "
+            "tf_sparse24.Sparse24(layer, weights={path: reduction axis})", params, params, None)
     else:
         return None
     claimed |= {id(v) for v in layer.weights}
