@@ -1686,11 +1686,11 @@ def _difference(model: keras.Model, copy: keras.Model) -> str | None:
     """How the outputs of `model` and `copy` differ on random inputs ('' when they agree within
     float rounding, None when they cannot be compared): inputs of the model's shapes and dtypes
     (token ids 0 and 1), the first two lengths it runs at of 5, 11, 16, 4, 32, 8, 64 for unknown
-    dimensions, inference mode, in a stateless scope
-    (no variable, seed or loss of the model changes). Rounding: 1000 ulps of the lowest compute
-    precision in the model at the output's scale, or, for a model that rounding alone moves more
-    (ill-conditioned), 10 times what perturbing the copy's weights by one ulp moves it. Not for
-    models with stateful layers, or whose outputs differ from call to call."""
+    dimensions, inference mode, in a stateless scope (no variable, seed or loss of the model
+    changes). Rounding: 1000 ulps of the lowest compute precision in the model at the output's
+    scale, or, for a model that rounding alone moves more (ill-conditioned), 10 times what
+    perturbing the copy's weights by one ulp moves it. Not for models with stateful layers, or
+    whose outputs differ from call to call."""
     layers = walk_layers(model)
     if any(getattr(layer, "stateful", False) for layer in layers):
         return None
