@@ -51,7 +51,6 @@ from tf_sparse24.prune import (
     _copy_layer,
     _covered,
     _is_functional,
-    _selector_list,
     _sublayers,
     clone_graph,
     pruned_layers,
@@ -1080,9 +1079,7 @@ def _activation_commutes(layer) -> bool:
     rng = np.random.default_rng(0)
     try:
         shape = [3 if d is None else d for d in layer.output.shape]
-        channels = shape[-1]
-        perms = (np.r_[1, 0, 2:channels], np.roll(np.arange(channels), 1),
-                 rng.permutation(channels))
+        perms = _generating_permutations(shape[-1], rng)
         for scale in (1.0, 30.0):
             x = (scale * rng.normal(size=shape)).astype(layer.compute_dtype)
             expected = keras.ops.convert_to_numpy(activation(x)).astype("float64")
@@ -1181,9 +1178,8 @@ def _commutes_when_run(graph: _Graph, name: str, move_inputs: bool) -> bool:
             call and len(args[0] if packed else args) != len(specs)):  # a constant among them
         return False
     rng = np.random.default_rng(0)
-    inputs = [(rng.integers(0, 2, size=shape) if "int" in str(spec.get("dtype")) else
-               rng.normal(size=shape)).astype(spec.get("dtype") or "float32")
-              for spec in specs for shape in [[2 if d is None else d for d in spec["shape"]]]]
+    inputs = [_random_array([2 if d is None else d for d in spec["shape"]],
+                            spec.get("dtype") or "float32", rng) for spec in specs]
     weights = [np.asarray(w) for w in layer.get_weights()]
 
     # A layer that takes `training` is tried in both modes (it might act otherwise in training).
@@ -1204,7 +1200,7 @@ def _commutes_when_run(graph: _Graph, name: str, move_inputs: bool) -> bool:
             copy(inputs, **kwargs) if packed else copy(*inputs, **kwargs)
         if {id(v) for v in copy.weights} & {id(v) for v in layer.weights}:
             return False  # its config hands over the layer's own state: trying would change it
-        perms = (np.r_[1, 0, 2:channels], np.roll(identity, 1), rng.permutation(channels))
+        perms = _generating_permutations(channels, rng)
         for mode in modes:
             expected = run(copy, identity, mode)
             scale = max(1.0, float(np.abs(expected).max()))
@@ -1727,13 +1723,24 @@ def _random_inputs(model: keras.Model, length: int, rng: np.random.Generator):
     """Inputs for `model`: its shapes (batch 2, other unknown dimensions `length`) and dtypes,
     N(0, 1) floats, 0/1 integers (token ids any vocabulary has) and booleans."""
     def draw(spec):
-        shape = [2 if i == 0 and d is None else length if d is None else d
-                 for i, d in enumerate(spec.shape)]
-        if "int" in spec.dtype or spec.dtype == "bool":
-            return rng.integers(0, 2, size=shape).astype(spec.dtype)
-        return rng.normal(size=shape).astype(spec.dtype)
+        return _random_array([2 if i == 0 and d is None else length if d is None else d
+                              for i, d in enumerate(spec.shape)], spec.dtype, rng)
 
     return keras.tree.map_structure(draw, model.input)
+
+
+def _random_array(shape: list[int], dtype: str, rng: np.random.Generator) -> np.ndarray:
+    """A trial input: N(0, 1) floats, or 0/1 for integers (token ids any vocabulary has) and
+    booleans."""
+    if "int" in str(dtype) or str(dtype) == "bool":
+        return rng.integers(0, 2, size=shape).astype(dtype)
+    return rng.normal(size=shape).astype(dtype)
+
+
+def _generating_permutations(channels: int, rng: np.random.Generator) -> tuple:
+    """The transposition (0 1), the cycle (0 1 ... C-1), which generate every permutation of C
+    channels, and one at random: what the trial runs reorder channels by."""
+    return (np.r_[1, 0, 2:channels], np.roll(np.arange(channels), 1), rng.permutation(channels))
 
 
 def _outputs(model: keras.Model, inputs, calls: int = 1) -> list[list[np.ndarray]]:
@@ -1765,12 +1772,9 @@ def _permute(model, layers, search_options: dict, max_channels, progress, follow
     """`permute` on a checked model, its custom layers' calls followed or not: `(copy, reports,
     the custom layers followed)`."""
     graph = _graph(model, follow)
-    # Names from a report ('outer/inner': inside an inlined model, or an attention layer inside
-    # another layer) select that layer; a selected container selects what it holds.
     attention, repeated = _attention_layers(graph)
-    paths = {**graph.ops, **{a.name: a.layer for a in attention}}
-    layers = [paths.get(s, s) if isinstance(s, str) and "/" in s else s
-              for s in _selector_list(layers)]
+    # Names from a report ('outer/inner': inside an inlined model or a custom layer) are paths
+    # that select that layer; a selected container selects what it holds.
     selectors = _check_selectors(model, layers, "layers")
     everything = walk_layers(model)
     reachable = {*map(id, graph.ops.values()), *(id(a.layer) for a in attention)}
@@ -1778,8 +1782,8 @@ def _permute(model, layers, search_options: dict, max_channels, progress, follow
                  if isinstance(s, str) and not _covered(everything, [s]) & reachable]:
         raise ValueError(
             f"layers: {inner} sit inside a nested model or layer of model {model.name!r} that "
-            "permute() does not follow (a layer, or a nested model that is shared or has several "
-            "inputs or outputs)."
+            "permute() does not follow (a layer whose call it cannot follow, or a nested model "
+            "that is shared, has several outputs or takes inputs not as a list)."
         )
     _check_untied(model, "permute")
     selected = _covered(everything, selectors) if selectors else None
