@@ -28,6 +28,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 ISA_FLAGS = {
     "_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
     "_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "_avx512bf16.cc": [
+        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx512bf16",
+    ],
 }
 CXX_FLAGS = ["-std=c++17", "-fPIC", "-O3", "-Wall", "-Wno-sign-compare", "-Wno-deprecated-declarations"]
 

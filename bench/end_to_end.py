@@ -1,7 +1,8 @@
 """End to end: serving latency and loaded memory of accelerated 2:4 SavedModels vs dense twins.
 
-Models (float32, Glorot-random weights, magnitude-pruned 2:4 with `tf_sparse24.prune`, not trained:
-speed and memory do not depend on the values):
+Models (float32, or with `--precision mixed_bfloat16` Keras' mixed bfloat16 policy: matmuls in
+bfloat16, which the exports store their kernels in; Glorot-random weights, magnitude-pruned 2:4 with
+`tf_sparse24.prune`, not trained: speed and memory do not depend on the values):
   mlp          1024-4096-4096-1024 MLP (ReLU), every kernel a Dense layer
   transformer  2 post-LN encoder blocks, d_model 512, 8 heads, FFN 2048, seq 64, built from
                `keras.layers.MultiHeadAttention` (its Q/K/V/O EinsumDense projections and the FFN
@@ -16,7 +17,7 @@ over repeats. Memory: one fresh subprocess per SavedModel imports TensorFlow (an
 warms the runtime up, reads VmHWM from /proc/self/status, loads with `tf.saved_model.load` (as TF
 Serving does), runs one call, and reports the growth of VmHWM (peak RSS) and of VmRSS. Run:
 
-    .venv/bin/python bench/end_to_end.py [--quick]
+    .venv/bin/python bench/end_to_end.py [--quick] [--precision mixed_bfloat16]
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def main() -> None:
     parser.add_argument("--memory-repeats", type=int, default=None)
     parser.add_argument("--models", nargs="+", default=None, choices=sorted(GOALS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--precision", default="float32", choices=["float32", "mixed_bfloat16"],
+                        help="Keras dtype policy the models are built under")
     args = parser.parse_args()
     repeats = args.repeats or (5 if args.quick else 20)
     mem_repeats = args.memory_repeats or (1 if args.quick else 3)
@@ -144,8 +147,9 @@ def main() -> None:
 
     import tf_sparse24  # noqa: PLC0415
 
+    keras.mixed_precision.set_global_policy(args.precision)
     print(f"TF {tf.__version__}, keras {keras.__version__}, {os.cpu_count()} CPUs, op ISA "
-          f"{tf_sparse24.ops.cpu_isa()}, load average {os.getloadavg()[0]:.1f} at start; "
+          f"{tf_sparse24.ops.cpu_isa()}, policy {args.precision}, load average {os.getloadavg()[0]:.1f} at start; "
           f"{repeats} interleaved repeats per latency, median of {mem_repeats} subprocess(es) "
           "per memory figure")
     rng = np.random.default_rng(0)

@@ -5,7 +5,8 @@ Made for the machines this project is lent only now and then (the GPU machine's 
 the development machine has no AVX-512: builds cc/sparse24/core_test.cc (every kernel variant the
 CPU runs against a float64 reference, under ASan + UBSan when the compiler has them) and
 bench/spmm_core_bench.cc, runs the test, then times each variant single-threaded on the issue-5
-shapes and prints the table. Standard library only; the per-file ISA flags are read from setup.py.
+shapes and prints a float32 and a bfloat16 table. Standard library only; the per-file ISA flags are
+read from setup.py.
 
     python3 scripts/cpu_isa_check.py [--out DIR]      # about a minute on 16 cores
 """
@@ -25,7 +26,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join(ROOT, "cc", "sparse24")
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-ISAS = {"avx2": 2, "avx512": 3}  # sparse24::Isa values
+ISAS = {"avx2": 2, "avx512": 3, "avx512bf16": 4}  # sparse24::Isa values
 SHAPES = ["1x4096x4096", "16x4096x4096", "256x4096x4096", "32x768x3072", "32x3072x768"]
 
 
@@ -73,24 +74,26 @@ def sanitizers_work(cxx: str, tmp: str) -> bool:
     return result.returncode == 0
 
 
-def bench_table(binary: str, supported: list[str], repeats: int) -> list[str]:
-    """Median single-thread ms per variant and shape, variants interleaved run by run."""
+def bench_table(binary: str, supported: list[str], dtype: int, repeats: int) -> list[str]:
+    """Median single-thread ms per variant and shape (dtype: 0 float32, 1 bfloat16), variants
+    interleaved run by run; the last column: first variant's time / last one's."""
     times = {(isa, s): [] for isa in supported for s in SHAPES}
     for _ in range(repeats):
         for shape in SHAPES:
             for isa in supported:
                 out = subprocess.run(
-                    [binary, *shape.split("x"), str(ISAS[isa]), "0", "20"],
+                    [binary, *shape.split("x"), str(ISAS[isa]), str(dtype), "20"],
                     capture_output=True, text=True, check=True,
                 ).stdout
                 times[(isa, shape)].append(float(out.split(": ")[1].split(" ms")[0]))
-    lines = [f"{'M x K x N':>14} " + " ".join(f"{isa + ' ms':>11}" for isa in supported)
-             + ("   avx2/avx512" if len(supported) == 2 else "")]
+    ratio = f"{supported[0]}/{supported[-1]}" if len(supported) > 1 else ""
+    lines = [f"{'M x K x N':>14} " + " ".join(f"{isa + ' ms':>14}" for isa in supported)
+             + f"   {ratio}"]
     for shape in SHAPES:
         med = [statistics.median(times[(isa, shape)]) for isa in supported]
-        row = f"{shape:>14} " + " ".join(f"{m:11.3f}" for m in med)
-        if len(med) == 2:
-            row += f"   {med[0] / med[1]:11.2f}"
+        row = f"{shape:>14} " + " ".join(f"{m:14.3f}" for m in med)
+        if len(med) > 1:
+            row += f"   {med[0] / med[-1]:{len(ratio)}.2f}"
         lines.append(row)
     return lines
 
@@ -122,9 +125,13 @@ def main() -> int:
     bench = os.path.join(tmp, "spmm_core_bench")
     build([os.path.join(ROOT, "bench", "spmm_core_bench.cc"), *library_sources()], bench,
           ["-O3"], cxx)
-    supported = [isa for isa in ISAS if isa in checked]
-    table = bench_table(bench, supported, args.repeats)
-    print("single-thread Sparse24 SpMM, float32, median ms (thread CPU time):")
+    table = []
+    for dtype, name, variants in ((0, "float32", ("avx2", "avx512")),
+                                  (1, "bfloat16", tuple(ISAS))):
+        supported = [isa for isa in variants if isa in checked]
+        if supported:
+            table += [f"single-thread Sparse24 SpMM, {name}, median ms (thread CPU time):",
+                      *bench_table(bench, supported, dtype, args.repeats)]
     print("\n".join(table))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

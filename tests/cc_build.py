@@ -66,7 +66,7 @@ def compile_objects(sources: list[str], out_dir: str, flags: list[str], cxx: str
                     emulate_avx512: bool = False) -> list[str]:
     """Compiles each source to out_dir/<name>.o in parallel, adding setup.py's ISA flags per file.
 
-    emulate_avx512: the *_avx512.cc files are compiled with the AVX2 flags and SIMDe standing in
+    emulate_avx512: the *_avx512*.cc files are compiled with the AVX2 flags and SIMDe standing in
     for the AVX-512 intrinsics (tests/emulated_avx512/simde_avx512.h), and every ISA is reported
     supported (cpu_features.cc's isa_supported made weak, all_isas_supported.cc linked instead),
     so the AVX-512 kernels run, emulated, on an AVX2 CPU.
@@ -75,8 +75,9 @@ def compile_objects(sources: list[str], out_dir: str, flags: list[str], cxx: str
     """
     isa_flags = dict(load_setup_module().ISA_FLAGS)
     if emulate_avx512:
-        isa_flags["_avx512.cc"] = [*isa_flags["_avx2.cc"], "-Wno-psabi",
-                                   "-include", os.path.join(EMULATION, "simde_avx512.h")]
+        for suffix in ("_avx512.cc", "_avx512bf16.cc"):
+            isa_flags[suffix] = [*isa_flags["_avx2.cc"], "-Wno-psabi",
+                                 "-include", os.path.join(EMULATION, "simde_avx512.h")]
         sources = [*sources, os.path.join(EMULATION, "all_isas_supported.cc")]
 
     def compile_one(src: str) -> str:

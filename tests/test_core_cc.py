@@ -68,15 +68,18 @@ def test_core_under_asan_and_ubsan(core_test_binary):
         assert "spmm avx2 checked" in stdout
     if "avx512=1" in stdout:
         assert "spmm avx512 checked" in stdout
+    if "avx512bf16=1" in stdout:
+        assert "spmm avx512bf16 checked" in stdout
 
 
 def test_core_with_avx512_emulated(tmp_path):
-    """The AVX-512 kernels (never run on AVX-512 hardware by this project) through the whole core
-    test, their intrinsics emulated by SIMDe: the same checks against the scalar reference, bad
-    meta named from every work unit, NaN/Inf, tails; under ASan + UBSan."""
+    """The AVX-512 kernels (avx512 and avx512bf16) through the whole core test on any AVX2 CPU,
+    their intrinsics emulated by SIMDe: the same checks against the scalar reference, bad meta
+    named from every work unit, NaN/Inf, tails; under ASan + UBSan."""
     require_avx512_emulation()
     stdout = _run_core_test(_build_core_test(tmp_path, emulate_avx512=True))
-    assert "avx512=1" in stdout and "spmm avx512 checked" in stdout, stdout[-3000:]
+    for isa in ("avx512", "avx512bf16"):
+        assert f"{isa}=1" in stdout and f"spmm {isa} checked" in stdout, stdout[-3000:]
 
 
 def test_cpu_isa_check_script_builds_with_setup_py_flags():

@@ -20,7 +20,7 @@ from tf_sparse24 import ops
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # Tolerance relative to sum_k |x[m, k] * W[k, n]|: the dtype's output rounding + fp32 accumulation.
 RTOL = {"float32": 2e-6, "float16": 1.5e-3, "bfloat16": 1.2e-2}
-ISAS = ["scalar", "avx2", "avx512"]
+ISAS = list(ops.CPU_ISAS[1:])
 
 
 def random_24(rng, k, n, dtype, specials=False):
@@ -222,7 +222,7 @@ def test_forcing_isa(monkeypatch):
     monkeypatch.setenv(ops.ISA_ENV_VAR, "sse9")
     with pytest.raises(tf.errors.InvalidArgumentError, match="'sse9' is not a CPU kernel variant"):
         ops.sparse24_matmul(np.ones((1, 4), np.float32), np.ones((1, 2), np.float32), [[4]])
-    for name in ("scalar", "avx2", "avx512"):
+    for name in ISAS:
         if name in supported:
             ops.set_cpu_isa(name)
             assert ops.cpu_isa() == name

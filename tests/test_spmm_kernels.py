@@ -1,6 +1,7 @@
 """Kernel-level tests of the C++ SpMM core (cc/sparse24/spmm*.cc), every ISA variant forced; the
-AVX-512 one also as "avx512-emulated" (SIMDe standing in for its intrinsics on an AVX2 CPU, see
-tests/emulated_avx512), so it runs here although this CPU has no AVX-512.
+AVX-512 ones (avx512, and avx512bf16 with its own bfloat16 kernel) also as "<isa>-emulated" (SIMDe
+standing in for their intrinsics on an AVX2 CPU, see tests/emulated_avx512), so they run on any
+AVX2 machine, and natively where the CPU has them.
 
 The core is compiled (once per source version, cached under build/) into a small shared library (cc/sparse24/spmm_ctypes_test.cc
 gives it C entry points) and driven with ctypes, so odd cases the TF op never passes (row strides,
@@ -29,7 +30,8 @@ from cc_build import EMULATION, compile_objects, require_avx512_emulation
 from tf_sparse24 import format as fmt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ISAS = {"scalar": 1, "avx2": 2, "avx512": 3}  # sparse24::Isa values
+ISAS = {"scalar": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # sparse24::Isa values
+EMULATED = ("avx512", "avx512bf16")  # the variants also run as "<isa>-emulated"
 DTYPES = {np.float32: 0, ml_dtypes.bfloat16: 1, np.float16: 2}
 # Output rounding (half an ulp, relative) per dtype; accumulation is float32 in every variant.
 OUT_EPS = {np.float32: 2.0**-24, ml_dtypes.bfloat16: 2.0**-8, np.float16: 2.0**-11}
@@ -100,13 +102,13 @@ def _supported(core: ctypes.CDLL, isa: str) -> bool:
     return bool(core.sparse24_test_isa_supported(ISAS[isa]))
 
 
-@pytest.fixture(params=[*ISAS, "avx512-emulated"])
+@pytest.fixture(params=[*ISAS, *(f"{isa}-emulated" for isa in EMULATED)])
 def kernel(request, core):
     """`run(x, values, meta, n, **kw)` through one variant (see `_run`); skips what cannot run."""
     variant = request.param
     lib, isa = core, variant
-    if variant == "avx512-emulated":
-        lib, isa = request.getfixturevalue("emulated_core"), "avx512"
+    if variant.endswith("-emulated"):
+        lib, isa = request.getfixturevalue("emulated_core"), variant.removesuffix("-emulated")
     elif not _supported(core, isa):
         pytest.skip(f"this CPU cannot run {isa}")
     return lambda x, values, meta, n, **kw: _run(lib, isa, x, values, meta, n, **kw)
@@ -188,6 +190,7 @@ SHAPES = [  # (M, K, N): K % 8 == 4, K < one SIMD chunk, N=1, N off every regist
     (150, 36, 20),  # >= 4 panels: rows are split into blocks as well as columns into tiles
     (200, 68, 300),
     (1, 1028, 300),
+    (500, 4100, 24),  # a row block's pack over 8 MiB: row blocks run before column tiles
 ]
 
 
@@ -201,12 +204,13 @@ def test_matches_float64_reference(kernel, dtype):
         _check(kernel(x, values, meta, n), x, w)
 
 
-def test_strides_and_empty(kernel):
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
+def test_strides_and_empty(kernel, dtype):
     rng = np.random.default_rng(1)
     for m, k, n in [(3, 44, 10), (40, 72, 19)]:
-        w = _random_2to4(rng, k, n, np.float32)
+        w = _random_2to4(rng, k, n, dtype)
         values, meta = fmt.compress(w)
-        x_wide = rng.standard_normal((m, k + 5)).astype(np.float32)
+        x_wide = rng.standard_normal((m, k + 5)).astype(dtype)
         x = x_wide[:, 2 : 2 + k]  # row stride K + 5, unaligned start
         _check(kernel(x, values, meta, n, y_cols=n + 3), x, w)
     values, meta = fmt.compress(_random_2to4(rng, 8, 6, np.float32))
@@ -244,36 +248,37 @@ def test_nan_inf_propagate_like_dense(kernel, dtype):
         np.testing.assert_allclose(y[finite], ref[finite], rtol=1e-2, atol=1e-2)
 
 
-# Random shapes, seeds and thread counts, for the tests below.
-random_cases = given(
-    m=st.integers(0, 110),
-    groups=st.integers(1, 40),
-    n=st.integers(1, 40),
-    seed=st.integers(0, 2**31 - 1),
-    threads=st.integers(1, 3),
-)
+# Random shapes, seeds and thread counts (hypothesis strategies), for the tests below.
+RANDOM_CASES = {
+    "m": st.integers(0, 110),
+    "groups": st.integers(1, 40),
+    "n": st.integers(1, 40),
+    "seed": st.integers(0, 2**31 - 1),
+    "threads": st.integers(1, 3),
+}
 
 
-def _random_case(m, groups, n, seed):
-    """x [m, 4 * groups] float32, a 2:4 W and its compressed form."""
+def _random_case(m, groups, n, seed, dtype=np.float32):
+    """x [m, 4 * groups] in `dtype`, a 2:4 W and its compressed form."""
     rng = np.random.default_rng(seed)
     k = 4 * groups
-    w = _random_2to4(rng, k, n, np.float32)
+    w = _random_2to4(rng, k, n, dtype)
     values, meta = fmt.compress(w)
-    return rng.standard_normal((m, k)).astype(np.float32), w, values, meta
+    return rng.standard_normal((m, k)).astype(dtype), w, values, meta
 
 
 @settings(max_examples=25, deadline=None)
-@random_cases
-def test_all_isas_agree_on_random_shapes(core, m, groups, n, seed, threads):
-    x, w, values, meta = _random_case(m, groups, n, seed)
+@given(**RANDOM_CASES, dtype=st.sampled_from(list(DTYPES)))
+def test_all_isas_agree_on_random_shapes(core, m, groups, n, seed, threads, dtype):
+    x, w, values, meta = _random_case(m, groups, n, seed, dtype)
     for isa in ISAS:
         if _supported(core, isa):
             _check(_run(core, isa, x, values, meta, n, threads=threads), x, w)
 
 
 @settings(max_examples=25, deadline=None)
-@random_cases
-def test_emulated_avx512_on_random_shapes(emulated_core, m, groups, n, seed, threads):
-    x, w, values, meta = _random_case(m, groups, n, seed)
-    _check(_run(emulated_core, "avx512", x, values, meta, n, threads=threads), x, w)
+@given(**RANDOM_CASES, dtype=st.sampled_from([np.float32, ml_dtypes.bfloat16]))
+def test_emulated_avx512_on_random_shapes(emulated_core, m, groups, n, seed, threads, dtype):
+    x, w, values, meta = _random_case(m, groups, n, seed, dtype)
+    for isa in EMULATED:
+        _check(_run(emulated_core, isa, x, values, meta, n, threads=threads), x, w)

@@ -29,7 +29,7 @@ _load_lock = threading.Lock()
 _library: ModuleType | None = None
 
 ISA_ENV_VAR = "TF_SPARSE24_CPU_ISA"
-CPU_ISAS = ("auto", "scalar", "avx2", "avx512")
+CPU_ISAS = ("auto", "scalar", "avx2", "avx512", "avx512bf16")
 
 
 class OpLibraryError(ImportError):
@@ -128,7 +128,7 @@ def cpu_isa() -> str:
 
 
 def set_cpu_isa(name: str) -> None:
-    """Forces the CPU SpMM variant ("auto", "scalar", "avx2", "avx512") for later calls.
+    """Forces the CPU SpMM variant (one of `CPU_ISAS`) for later calls.
 
     Sets the environment variable `TF_SPARSE24_CPU_ISA`, which the kernel reads on every call
     (so it also works when set before starting Python). Meant for tests and benchmarks.

@@ -35,6 +35,9 @@ int64_t g_checks = 0;
 
 using sparse24::DType;
 
+constexpr sparse24::Isa kIsas[] = {sparse24::Isa::kScalar, sparse24::Isa::kAvx2,
+                                   sparse24::Isa::kAvx512, sparse24::Isa::kAvx512Bf16};
+
 // A straight per-group transcription of docs/FORMAT.md, independent of format.cc's tables.
 void reference_compress(const std::vector<float>& w, int64_t k, int64_t n,
                         std::vector<float>* values, std::vector<uint8_t>* meta) {
@@ -239,13 +242,16 @@ void test_isa() {
   CHECK(sparse24::isa_supported(sparse24::best_isa()), "best isa supported");
   CHECK(!sparse24::isa_supported(Isa::kAvx512) || sparse24::isa_supported(Isa::kAvx2),
         "avx512 implies avx2");
+  CHECK(!sparse24::isa_supported(Isa::kAvx512Bf16) || sparse24::isa_supported(Isa::kAvx512),
+        "avx512bf16 implies avx512");
   Isa parsed;
-  for (Isa isa : {Isa::kAuto, Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+  for (Isa isa : {Isa::kAuto, Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     CHECK(sparse24::parse_isa(sparse24::isa_name(isa), &parsed) && parsed == isa, "parse_isa");
   }
   CHECK(!sparse24::parse_isa("sse9", &parsed), "parse_isa rejects unknown names");
-  std::printf("isa: best=%s avx2=%d avx512=%d\n", sparse24::isa_name(sparse24::best_isa()),
-              sparse24::isa_supported(Isa::kAvx2), sparse24::isa_supported(Isa::kAvx512));
+  std::printf("isa: best=%s avx2=%d avx512=%d avx512bf16=%d\n",
+              sparse24::isa_name(sparse24::best_isa()), sparse24::isa_supported(Isa::kAvx2),
+              sparse24::isa_supported(Isa::kAvx512), sparse24::isa_supported(Isa::kAvx512Bf16));
 }
 
 float load(DType dtype, const std::vector<uint32_t>& buf, int64_t i) {
@@ -286,15 +292,22 @@ void test_spmm_rejects_bad_meta(std::mt19937* rng) {
         "compress for bad-meta spmm");
   meta[517 * 8 + 3] = 0x4B;  // group 6 of row 517: (3, 2)
   meta[20 * 8 + 0] = 0x81;   // group 0 of row 20: (1, 0)
-  for (sparse24::Isa isa : {sparse24::Isa::kScalar, sparse24::Isa::kAvx2, sparse24::Isa::kAvx512}) {
+  std::vector<uint16_t> values_bf16(values.size());
+  for (size_t i = 0; i < values.size(); ++i) values_bf16[i] = sparse24::f32_to_bf16(values[i]);
+  for (sparse24::Isa isa : kIsas) {
     if (!sparse24::isa_supported(isa)) continue;
-    for (int64_t m : {2, 64, 200}) {
-      std::vector<float> x(m * k, 1.0f), y(m * n);
-      const sparse24::SpmmArgs args{DType::kFloat32, x.data(), k, values.data(), meta.data(),
-                                    m, k, n, y.data(), n};
-      const std::string error = sparse24::spmm(args, isa, backwards);
-      CHECK(error.find("row n=20, group g=0 has positions (1, 0)") != std::string::npos,
-            "%s m=%ld: '%s'", sparse24::isa_name(isa), (long)m, error.c_str());
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {  // bfloat16: avx512bf16's own kernel
+      const bool f32 = dtype == DType::kFloat32;
+      for (int64_t m : {2, 64, 200}) {
+        std::vector<float> x(m * k, 1.0f), y(m * n);  // as bfloat16: 0.0, 1.0, ... (any x does)
+        const sparse24::SpmmArgs args{
+            dtype, x.data(), k, f32 ? static_cast<const void*>(values.data()) : values_bf16.data(),
+            meta.data(), m, k, n, y.data(), n};
+        const std::string error = sparse24::spmm(args, isa, backwards);
+        CHECK(error.find("row n=20, group g=0 has positions (1, 0)") != std::string::npos,
+              "%s dtype %d m=%ld: '%s'", sparse24::isa_name(isa), static_cast<int>(dtype), (long)m,
+              error.c_str());
+      }
     }
   }
 }
@@ -307,7 +320,7 @@ void test_spmm(std::mt19937* rng) {
     for (int64_t b = 0; b < total; b += 3) fn(b, std::min(total, b + 3));
   };
   std::normal_distribution<float> normal;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+  for (Isa isa : kIsas) {
     if (!sparse24::isa_supported(isa)) continue;
     for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
       const double rtol = dtype == DType::kFloat32   ? 2e-6

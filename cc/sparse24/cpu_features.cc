@@ -16,6 +16,7 @@ namespace {
 struct Features {
   bool avx2 = false;
   bool avx512 = false;
+  bool avx512_bf16 = false;
 };
 
 #ifdef SPARSE24_X86
@@ -44,6 +45,9 @@ Features detect() {
   // The variants are compiled with exactly these flags (setup.py ISA_FLAGS).
   f.avx2 = os_ymm && avx2 && fma && f16c;
   f.avx512 = f.avx2 && os_zmm && avx512f && avx512dq && avx512bw && avx512vl;
+  if (f.avx512 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) {
+    f.avx512_bf16 = eax & (1u << 5);
+  }
 #endif
   return f;
 }
@@ -64,11 +68,14 @@ bool isa_supported(Isa isa) {
       return features().avx2;
     case Isa::kAvx512:
       return features().avx512;
+    case Isa::kAvx512Bf16:
+      return features().avx512_bf16;
   }
   return false;
 }
 
 Isa best_isa() {
+  if (features().avx512_bf16) return Isa::kAvx512Bf16;
   if (features().avx512) return Isa::kAvx512;
   if (features().avx2) return Isa::kAvx2;
   return Isa::kScalar;
@@ -84,12 +91,14 @@ const char* isa_name(Isa isa) {
       return "avx2";
     case Isa::kAvx512:
       return "avx512";
+    case Isa::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "unknown";
 }
 
 bool parse_isa(const char* name, Isa* isa) {
-  for (Isa candidate : {Isa::kAuto, Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+  for (Isa candidate : {Isa::kAuto, Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (std::strcmp(name, isa_name(candidate)) == 0) {
       *isa = candidate;
       return true;

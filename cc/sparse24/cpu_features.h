@@ -4,7 +4,8 @@
 
 namespace sparse24 {
 
-enum class Isa { kAuto, kScalar, kAvx2, kAvx512 };
+// kAvx512Bf16: the AVX-512 kernels plus, for bfloat16, a panel kernel on AVX512_BF16's vdpbf16ps.
+enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Bf16 };
 
 // True if this CPU and OS can run `isa` (CPUID + XGETBV, read once, thread-safe). kAuto: always.
 bool isa_supported(Isa isa);
@@ -14,7 +15,8 @@ Isa best_isa();
 
 const char* isa_name(Isa isa);
 
-// Parses "auto", "scalar", "avx2" or "avx512" (isa_name's spellings); false for anything else.
+// Parses "auto", "scalar", "avx2", "avx512" or "avx512bf16" (isa_name's spellings); false for
+// anything else.
 bool parse_isa(const char* name, Isa* isa);
 
 }  // namespace sparse24

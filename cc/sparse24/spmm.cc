@@ -27,55 +27,77 @@ constexpr int64_t kGemvMaxRows = 4;
 
 struct Plan {
   SpmmKernel kernel;
-  spmm_internal::PanelPack pack;  // panel kernels: packs x^T (null: kernel reads float32 rows)
+  spmm_internal::PanelPack pack;  // panel kernels: packs x (null: kernel reads float32 rows)
   int64_t tile;                   // output columns per parallel work unit
+  int64_t row_words;              // panel kernels: words (floats) per row of x in the pack
   bool panel() const { return pack != nullptr; }
 };
 
-Plan make_plan(Isa isa, int64_t M, int64_t N) {
+Plan make_plan(Isa isa, DType dtype, int64_t M, int64_t K, int64_t N) {
   // Panel tiles are wide (each tile streams every x^T panel once) but leave about 32 units, so the
   // threads stay balanced when N is small (768 columns -> 32 tiles of 24, 3072 -> 32 of 96).
   const int64_t panel_tile = std::clamp<int64_t>((N / 32 + 7) / 8 * 8, 16, 256);
   switch (isa) {
+    case Isa::kAvx512Bf16:
+      if (M > kGemvMaxRows && dtype == DType::kBFloat16) {
+        return {spmm_internal::spmm_pairs_avx512bf16, spmm_internal::pack_pairs_avx512bf16,
+                panel_tile, spmm_internal::pair_panel_words(K)};
+      }
+      [[fallthrough]];  // float32 and float16, and GEMV shapes: the AVX-512 kernels
     case Isa::kAvx512:
       if (M > kGemvMaxRows) {
-        return {spmm_internal::spmm_panel_avx512, spmm_internal::pack_panel_avx512, panel_tile};
+        return {spmm_internal::spmm_panel_avx512, spmm_internal::pack_panel_avx512, panel_tile, K};
       }
-      return {spmm_internal::spmm_gemv_avx512, nullptr, 64};
+      return {spmm_internal::spmm_gemv_avx512, nullptr, 64, 0};
     case Isa::kAvx2:
       if (M > kGemvMaxRows) {
-        return {spmm_internal::spmm_panel_avx2, spmm_internal::pack_panel_avx2, panel_tile};
+        return {spmm_internal::spmm_panel_avx2, spmm_internal::pack_panel_avx2, panel_tile, K};
       }
-      return {spmm_internal::spmm_gemv_avx2, nullptr, 64};
+      return {spmm_internal::spmm_gemv_avx2, nullptr, 64, 0};
     case Isa::kAuto:
     case Isa::kScalar:
       break;
   }
-  return {spmm_internal::spmm_rows_scalar, nullptr, 16};
+  return {spmm_internal::spmm_rows_scalar, nullptr, 16, 0};
 }
 
 // Parallel work units: output column tiles times blocks of whole panels (rows). A tile's values
 // (at most 256 columns: 256 KiB at K = 512 in float32) stay in L2 while the panels of its row block
 // stream past, and each K block of a panel in L1 serves the whole tile. With few panels only the
 // columns are split (the plan's tile). With many panels (M = 2048) the tiles are wide and the rows
-// split too, rather than 16 narrow column tiles each streaming all of x^T from L3.
+// split too, rather than 16 narrow column tiles each streaming all of x^T from L3. A row block's
+// pack is at most kBlockPackBytes; when that splits the rows, units run row-block major, so a
+// block's pack stays in L3 while every column tile passes it (instead of the whole pack, more than
+// L3 holds, streaming from memory once per tile).
 struct Schedule {
   int64_t tile;        // output columns per unit
   int64_t block_rows;  // rows per unit (a multiple of kPanelRows, or M)
   int64_t col_tiles, row_blocks;
+  bool rows_major;     // consecutive units walk the column tiles of one row block
+
+  // Unit u's first row and first column.
+  int64_t row(int64_t u) const {
+    return (rows_major ? u / col_tiles : u % row_blocks) * block_rows;
+  }
+  int64_t col(int64_t u) const { return (rows_major ? u % col_tiles : u / row_blocks) * tile; }
 };
 
 Schedule make_schedule(const Plan& plan, int64_t M, int64_t N) {
   constexpr int64_t kMinUnits = 16, kWideTile = 256, kMinPanels = 4;
+  constexpr int64_t kBlockPackBytes = int64_t{8} << 20;
   const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
   if (!plan.panel() || panels < kMinPanels) {
-    return {plan.tile, M, (N + plan.tile - 1) / plan.tile, 1};
+    return {plan.tile, M, (N + plan.tile - 1) / plan.tile, 1, false};
   }
   const int64_t tile = std::min<int64_t>(kWideTile, (N + 7) / 8 * 8);
   const int64_t col_tiles = (N + tile - 1) / tile;
   const int64_t wanted_blocks = std::min(panels, (kMinUnits + col_tiles - 1) / col_tiles);
-  const int64_t block_panels = (panels + wanted_blocks - 1) / wanted_blocks;
-  return {tile, block_panels * kPanelRows, col_tiles, (panels + block_panels - 1) / block_panels};
+  const int64_t fitting_panels =
+      std::max<int64_t>(1, kBlockPackBytes / (kPanelRows * plan.row_words * sizeof(float)));
+  const int64_t wanted_panels = (panels + wanted_blocks - 1) / wanted_blocks;
+  const int64_t block_panels = std::min(wanted_panels, fitting_panels);
+  return {tile, block_panels * kPanelRows, col_tiles, (panels + block_panels - 1) / block_panels,
+          fitting_panels < wanted_panels};
 }
 
 bool is_nonfinite(DType dtype, const void* p, int64_t i) {
@@ -134,11 +156,11 @@ void convert_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_
 void pack_panels(const SpmmArgs& a, const Plan& plan, const ParallelFor& parallel_for, float* xt,
                  uint8_t* bad) {
   const int64_t panels = (a.M + kPanelRows - 1) / kPanelRows;
-  parallel_for(panels, kPanelRows * a.K, [&](int64_t p0, int64_t p1) {
+  parallel_for(panels, kPanelRows * plan.row_words, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t m0 = p * kPanelRows, rows = std::min(kPanelRows, a.M - m0);
       plan.pack(a.dtype, static_cast<const char*>(a.x) + m0 * a.ldx * dtype_size(a.dtype), a.ldx,
-                rows, a.K, xt + m0 * a.K, bad + m0);
+                rows, a.K, xt + m0 * plan.row_words, bad + m0);
     }
   });
 }
@@ -177,6 +199,22 @@ void propagate_nonfinite(const SpmmArgs& a, const uint8_t* bad) {
   }
 }
 
+// The calling thread's buffer for packed x, kept between calls and grown when a call needs more (it
+// holds the largest pack the thread has made: 1.5x the float32 size of x at most). A fresh
+// allocation each call is fresh pages from the OS above glibc's mmap threshold (32 MiB at most):
+// one page fault per 4 KiB, 10-15% of an M = 2048, K = 4096 call on Zen 5. The pool threads that
+// run the units only read it, and spmm is never re-entered on a thread while a call is running.
+float* pack_buffer(int64_t floats) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (floats > capacity) {
+    buffer.reset();  // before the new allocation, so the two never coexist
+    buffer.reset(new float[floats]);
+    capacity = floats;
+  }
+  return buffer.get();
+}
+
 }  // namespace
 
 std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
@@ -188,17 +226,17 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
     return std::string();
   }
   if (isa == Isa::kAuto) isa = best_isa();
-  const Plan plan = make_plan(isa, a.M, a.N);
+  const Plan plan = make_plan(isa, a.dtype, a.M, a.K, a.N);
 
   SpmmWork w{a.dtype, a.M, a.K, a.N, a.values, a.meta, nullptr, 0, nullptr, a.y, a.ldy};
   std::vector<uint8_t> bad(a.M);
-  std::unique_ptr<float[]> rows, xt_storage;
+  std::unique_ptr<float[]> rows;
   float* xt = nullptr;
   if (plan.panel()) {
     // 64-byte aligned: a panel row is whole cache lines, so no SIMD load of it splits a line.
-    xt_storage.reset(new float[(a.M + kPanelRows) * a.K + 16]);
-    xt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xt_storage.get()) + 63) &
-                                  ~uintptr_t{63});
+    xt = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(pack_buffer((a.M + kPanelRows) * plan.row_words + 16)) + 63) &
+        ~uintptr_t{63});
     w.xt = xt;
   } else if (a.dtype != DType::kFloat32) {
     rows.reset(new float[a.M * a.K]);
@@ -218,9 +256,9 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
     prepare_rows<DType::kFloat16>(a, parallel_for, rows.get(), bad.data());
   }
 
-  // Units are column-tile major, so consecutive units reuse one tile's values. Each task the pool
-  // runs takes units from a shared counter until none are left (not the block it was handed), so
-  // a thread slowed by other load on the machine takes fewer units instead of finishing last.
+  // Consecutive units reuse one tile's values (or one row block's pack: Schedule). Each task the
+  // pool runs takes units from a shared counter until none are left (not the block it was handed),
+  // so a thread slowed by other load on the machine takes fewer units instead of finishing last.
   const Schedule s = make_schedule(plan, a.M, a.N);
   const int64_t units = s.col_tiles * s.row_blocks;
   const int64_t cost = s.tile * std::min(a.M, s.block_rows) * a.K / 8 + 1;
@@ -228,7 +266,7 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
   std::atomic<int64_t> next_unit{0};
   parallel_for(units, cost, [&](int64_t, int64_t) {
     for (int64_t u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < units;) {
-      const int64_t n0 = u / s.row_blocks * s.tile, m0 = u % s.row_blocks * s.block_rows;
+      const int64_t n0 = s.col(u), m0 = s.row(u);
       const int64_t n1 = std::min(a.N, n0 + s.tile);
       if (!meta_rows_valid(a.meta, a.K, n0, n1)) {
         meta_ok.store(false, std::memory_order_relaxed);
@@ -236,7 +274,7 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
       }
       SpmmWork part = w;
       part.M = std::min(a.M - m0, s.block_rows);
-      if (plan.panel()) part.xt = w.xt + m0 * a.K;
+      if (plan.panel()) part.xt = w.xt + m0 * plan.row_words;
       part.y = static_cast<char*>(a.y) + m0 * a.ldy * dtype_size(a.dtype);
       plan.kernel(part, n0, n1);
     }

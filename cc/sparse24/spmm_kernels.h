@@ -49,6 +49,14 @@ void spmm_gemv_avx512(const SpmmWork& work, int64_t n0, int64_t n1);
 void spmm_panel_avx512(const SpmmWork& work, int64_t n0, int64_t n1);
 void pack_panel_avx512(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,
                        uint8_t* bad);
+// bfloat16 only (AVX512_BF16): x packed as pairs of the elements a group can keep, not as x^T.
+void spmm_pairs_avx512bf16(const SpmmWork& work, int64_t n0, int64_t n1);
+void pack_pairs_avx512bf16(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
+                           float* xt, uint8_t* bad);
+
+// Words (4 bytes, a float's size) per row of x in the pair panels: 6 bf16 pairs per group of 4 k
+// (the x^T panels hold K).
+constexpr int64_t pair_panel_words(int64_t K) { return K / 4 * 6; }
 
 inline float load_f32(DType dtype, const void* p, int64_t i) {
   switch (dtype) {

@@ -126,6 +126,41 @@ static void pack_transposed(DType dtype, const void* x, int64_t ldx, int64_t row
   }
 }
 
+// y[m0 + r, t0 + c] = sums[c * width + r] for r < rows, t0 + c < t1: 8x8 blocks are transposed
+// in registers (a scalar transposition cost a fifth of an M=32 call), the edges one by one.
+static void store_tile(const SpmmWork& w, int64_t width, const float* sums, int64_t m0,
+                       int64_t rows, int64_t t0, int64_t t1) {
+  const int64_t full_rows = rows / 8 * 8;
+  for (int64_t r0 = 0; r0 < full_rows; r0 += 8) {
+    int64_t n = t0;
+    for (; n + 8 <= t1; n += 8) {
+      __m256 c[8];
+      for (int i = 0; i < 8; ++i) c[i] = _mm256_load_ps(sums + (n - t0 + i) * width + r0);
+      transpose8x8(c);
+      for (int j = 0; j < 8; ++j) {
+        const int64_t at = (m0 + r0 + j) * w.ldy + n;
+        if (w.dtype == DType::kFloat32) {
+          _mm256_storeu_ps(static_cast<float*>(w.y) + at, c[j]);
+        } else {
+          alignas(32) float row[8];
+          _mm256_store_ps(row, c[j]);
+          for (int i = 0; i < 8; ++i) store_f32(w.dtype, w.y, at + i, row[i]);
+        }
+      }
+    }
+    for (; n < t1; ++n) {
+      for (int64_t r = r0; r < r0 + 8; ++r) {
+        store_f32(w.dtype, w.y, (m0 + r) * w.ldy + n, sums[(n - t0) * width + r]);
+      }
+    }
+  }
+  for (int64_t r = full_rows; r < rows; ++r) {
+    for (int64_t n = t0; n < t1; ++n) {
+      store_f32(w.dtype, w.y, (m0 + r) * w.ldy + n, sums[(n - t0) * width + r]);
+    }
+  }
+}
+
 // V: SIMD traits with `using reg`, `kLanes`, zero(), load(const float*), store(float*, reg),
 // broadcast(const float*), fmadd(a, b, c) = a * b + c, add(a, b), and
 // widen(DType, const void* src, int64_t i, float* dst): kLanes bf16/f16 values from src[i] to
@@ -191,41 +226,6 @@ struct Microkernel {
     __builtin_prefetch(w.meta + n * meta_row + kb / 8);
   }
 
-  // y[m0 + r, t0 + c] = sums[c * kWidth + r] for r < rows, t0 + c < t1: 8x8 blocks are transposed
-  // in registers (a scalar transposition cost a fifth of an M=32 call), the edges one by one.
-  static void store_tile(const SpmmWork& w, const float* sums, int64_t m0, int64_t rows,
-                         int64_t t0, int64_t t1) {
-    const int64_t full_rows = rows / 8 * 8;
-    for (int64_t r0 = 0; r0 < full_rows; r0 += 8) {
-      int64_t n = t0;
-      for (; n + 8 <= t1; n += 8) {
-        __m256 c[8];
-        for (int i = 0; i < 8; ++i) c[i] = _mm256_load_ps(sums + (n - t0 + i) * kWidth + r0);
-        transpose8x8(c);
-        for (int j = 0; j < 8; ++j) {
-          const int64_t at = (m0 + r0 + j) * w.ldy + n;
-          if (w.dtype == DType::kFloat32) {
-            _mm256_storeu_ps(static_cast<float*>(w.y) + at, c[j]);
-          } else {
-            alignas(32) float row[8];
-            _mm256_store_ps(row, c[j]);
-            for (int i = 0; i < 8; ++i) store_f32(w.dtype, w.y, at + i, row[i]);
-          }
-        }
-      }
-      for (; n < t1; ++n) {
-        for (int64_t r = r0; r < r0 + 8; ++r) {
-          store_f32(w.dtype, w.y, (m0 + r) * w.ldy + n, sums[(n - t0) * kWidth + r]);
-        }
-      }
-    }
-    for (int64_t r = full_rows; r < rows; ++r) {
-      for (int64_t n = t0; n < t1; ++n) {
-        store_f32(w.dtype, w.y, (m0 + r) * w.ldy + n, sums[(n - t0) * kWidth + r]);
-      }
-    }
-  }
-
   // One panel (rows m0 .. m0 + rows) times columns [n0, n1), written to y.
   static void panel(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
                     int64_t n1, int64_t k_block) {
@@ -267,7 +267,7 @@ struct Microkernel {
           }
         }
       }
-      store_tile(w, sums, m0, rows, t0, t1);
+      store_tile(w, kWidth, sums, m0, rows, t0, t1);
     }
   }
 };

@@ -26,7 +26,8 @@ constexpr char kIsaEnvVar[] = "TF_SPARSE24_CPU_ISA";
 
 std::string SupportedIsas() {
   std::string names;
-  for (auto isa : {sparse24::Isa::kScalar, sparse24::Isa::kAvx2, sparse24::Isa::kAvx512}) {
+  for (auto isa : {sparse24::Isa::kScalar, sparse24::Isa::kAvx2, sparse24::Isa::kAvx512,
+                   sparse24::Isa::kAvx512Bf16}) {
     if (!sparse24::isa_supported(isa)) continue;
     if (!names.empty()) names += ", ";
     names += sparse24::isa_name(isa);
@@ -40,7 +41,7 @@ absl::Status RequestedIsa(sparse24::Isa* isa) {
   if (name == nullptr || name[0] == '\0') name = "auto";
   if (!sparse24::parse_isa(name, isa)) {
     return InvalidArgument(kIsaEnvVar, "='", name,
-                           "' is not a CPU kernel variant; use auto, scalar, avx2 or avx512");
+                           "' is not a CPU kernel variant; use auto, scalar, avx2, avx512 or avx512bf16");
   }
   if (!sparse24::isa_supported(*isa)) {
     return InvalidArgument(kIsaEnvVar, "=", name, " asks for a kernel variant this CPU ",
