@@ -126,6 +126,26 @@ static void pack_transposed(DType dtype, const void* x, int64_t ldx, int64_t row
   }
 }
 
+// 8 float32 to bfloat16 or float16 at dst, rounded to nearest even, NaN kept quiet: bit for bit
+// what store_f32 writes (vcvtps2ph with imm 0 rounds as f32_to_f16 does). Element by element, this
+// conversion took a quarter of an M = 2048, K = 512 bfloat16 call.
+static inline void store8_16bit(DType dtype, uint16_t* dst, __m256 v) {
+  __m128i h;
+  if (dtype == DType::kFloat16) {
+    h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  } else {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i top = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+    h = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
+}
+
 // y[m0 + r, t0 + c] = sums[c * width + r] for r < rows, t0 + c < t1: 8x8 blocks are transposed
 // in registers (a scalar transposition cost a fifth of an M=32 call), the edges one by one.
 static void store_tile(const SpmmWork& w, int64_t width, const float* sums, int64_t m0,
@@ -142,9 +162,7 @@ static void store_tile(const SpmmWork& w, int64_t width, const float* sums, int6
         if (w.dtype == DType::kFloat32) {
           _mm256_storeu_ps(static_cast<float*>(w.y) + at, c[j]);
         } else {
-          alignas(32) float row[8];
-          _mm256_store_ps(row, c[j]);
-          for (int i = 0; i < 8; ++i) store_f32(w.dtype, w.y, at + i, row[i]);
+          store8_16bit(w.dtype, static_cast<uint16_t*>(w.y) + at, c[j]);
         }
       }
     }
