@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "cc/sparse24/format.h"
@@ -66,9 +67,9 @@ Plan make_plan(Isa isa, DType dtype, int64_t M, int64_t K, int64_t N) {
 // stream past, and each K block of a panel in L1 serves the whole tile. With few panels only the
 // columns are split (the plan's tile). With many panels (M = 2048) the tiles are wide and the rows
 // split too, rather than 16 narrow column tiles each streaming all of x^T from L3. A row block's
-// pack is at most kBlockPackBytes; when that splits the rows, units run row-block major, so a
-// block's pack stays in L3 while every column tile passes it (instead of the whole pack, more than
-// L3 holds, streaming from memory once per tile).
+// pack is at most kBlockPackBytes (or one panel's, if that is larger); when that splits the rows,
+// units run row-block major, so a block's pack stays in L3 while every column tile passes it
+// (instead of the whole pack, more than L3 holds, streaming from memory once per tile).
 struct Schedule {
   int64_t tile;        // output columns per unit
   int64_t block_rows;  // rows per unit (a multiple of kPanelRows, or M)
@@ -199,21 +200,37 @@ void propagate_nonfinite(const SpmmArgs& a, const uint8_t* bad) {
   }
 }
 
-// The calling thread's buffer for packed x, kept between calls and grown when a call needs more (it
-// holds the largest pack the thread has made: 1.5x the float32 size of x at most). A fresh
-// allocation each call is fresh pages from the OS above glibc's mmap threshold (32 MiB at most):
-// one page fault per 4 KiB, 10-15% of an M = 2048, K = 4096 call on Zen 5. The pool threads that
-// run the units only read it, and spmm is never re-entered on a thread while a call is running.
-float* pack_buffer(int64_t floats) {
-  thread_local std::unique_ptr<float[]> buffer;
-  thread_local int64_t capacity = 0;
-  if (floats > capacity) {
-    buffer.reset();  // before the new allocation, so the two never coexist
-    buffer.reset(new float[floats]);
-    capacity = floats;
+// Memory for packed x. Up to kRetainedPackBytes it is the calling thread's buffer, kept between
+// calls and grown when a call needs more: a fresh allocation of that size every call is fresh pages
+// from the OS above glibc's mmap threshold (32 MiB at most), one page fault per 4 KiB, 10-15% of an
+// M = 2048, K = 4096 call on Zen 5. Larger packs are allocated for the call alone, so a thread
+// never holds more than kRetainedPackBytes after a call. Pool threads that run the units only read
+// the buffer, and spmm is never re-entered on a thread while a call is running.
+class PackMemory {
+ public:
+  explicit PackMemory(int64_t floats) {
+    constexpr int64_t kRetainedPackBytes = int64_t{64} << 20;
+    if (floats * static_cast<int64_t>(sizeof(float)) > kRetainedPackBytes) {
+      own_.reset(new float[floats]);
+      data_ = own_.get();
+      return;
+    }
+    thread_local std::unique_ptr<float[]> buffer;
+    thread_local int64_t capacity = 0;
+    if (floats > capacity) {
+      buffer.reset();  // before the new allocation, so the two never coexist
+      capacity = 0;    // stays 0 if the allocation throws
+      buffer.reset(new float[floats]);
+      capacity = floats;
+    }
+    data_ = buffer.get();
   }
-  return buffer.get();
-}
+  float* data() const { return data_; }
+
+ private:
+  std::unique_ptr<float[]> own_;
+  float* data_;
+};
 
 }  // namespace
 
@@ -231,12 +248,13 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
   SpmmWork w{a.dtype, a.M, a.K, a.N, a.values, a.meta, nullptr, 0, nullptr, a.y, a.ldy};
   std::vector<uint8_t> bad(a.M);
   std::unique_ptr<float[]> rows;
+  std::optional<PackMemory> pack_memory;
   float* xt = nullptr;
   if (plan.panel()) {
     // 64-byte aligned: a panel row is whole cache lines, so no SIMD load of it splits a line.
+    pack_memory.emplace((a.M + kPanelRows) * plan.row_words + 16);
     xt = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(pack_buffer((a.M + kPanelRows) * plan.row_words + 16)) + 63) &
-        ~uintptr_t{63});
+        (reinterpret_cast<uintptr_t>(pack_memory->data()) + 63) & ~uintptr_t{63});
     w.xt = xt;
   } else if (a.dtype != DType::kFloat32) {
     rows.reset(new float[a.M * a.K]);

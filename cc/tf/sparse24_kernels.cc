@@ -170,7 +170,7 @@ extern "C" {
 #endif
 const char* tf_sparse24_tf_version() { return TF_SPARSE24_TF_VERSION; }
 
-// The variant `auto` resolves to: "scalar", "avx2" or "avx512".
+// The variant `auto` resolves to: "scalar", "avx2", "avx512" or "avx512bf16".
 const char* tf_sparse24_best_cpu_isa() { return sparse24::isa_name(sparse24::best_isa()); }
 
 // 1 if `name` is a variant this CPU can run, 0 if not, -1 if `name` is not a variant.
