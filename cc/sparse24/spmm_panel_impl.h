@@ -22,7 +22,10 @@ namespace sparse24 {
 namespace spmm_internal {
 namespace panel {
 
-constexpr int64_t kTileCols = 64;     // columns whose partial sums share the tile buffer
+constexpr int64_t kTileCols = 64;     // columns of a tile: one K block of packed x serves them
+constexpr int64_t kMaxCols = 256;     // columns a panel keeps partial sums of across K (the
+                                      // schedule's widest column tile)
+constexpr int64_t kSuperBlockWords = 40960;  // packed x per K super-block: 160 KiB, in L2
 constexpr int64_t kPrefetchCols = 4;  // how far ahead a column's values are prefetched
 
 // The plain functions here have internal linkage (static): each ISA's translation unit keeps its
@@ -244,48 +247,65 @@ struct Microkernel {
     __builtin_prefetch(w.meta + n * meta_row + kb / 8);
   }
 
-  // One panel (rows m0 .. m0 + rows) times columns [n0, n1), written to y.
+  // One panel (rows m0 .. m0 + rows) times columns [n0, n1), written to y, kMaxCols at a time.
   static void panel(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
                     int64_t n1, int64_t k_block) {
+    for (int64_t c0 = n0; c0 < n1; c0 += kMaxCols) {
+      columns(w, xt, m0, rows, c0, std::min(n1, c0 + kMaxCols), k_block);
+    }
+  }
+
+  // K runs in super-blocks of about 160 KiB of x^T, each passed by every column tile before the
+  // next, so it stays in L2 (a whole panel is 768 KiB at K = 4096 in float32, more than L2 holds
+  // beside the tiles' values; 3-9% faster on Zen 5); the partial sums of all the columns live in
+  // `sums` between super-blocks. spmm_panel_avx512bf16.cc's kernel walks K the same way.
+  static void columns(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
+                      int64_t n1, int64_t k_block) {
     const int64_t half_k = w.K / 2, meta_row = (w.K + 7) / 8;
-    alignas(64) float sums[kTileCols * kWidth];
+    const int64_t k_super = std::max<int64_t>(1, kSuperBlockWords / kWidth / k_block) * k_block;
+    alignas(64) float sums[kMaxCols * kWidth];
     alignas(64) float vbuf[1024];  // widened values of one column's K block (k_block <= 2048)
-    for (int64_t t0 = n0; t0 < n1; t0 += kTileCols) {
-      const int64_t t1 = std::min(n1, t0 + kTileCols);
-      for (int64_t kb = 0; kb < w.K; kb += k_block) {
-        const int64_t groups = (std::min(w.K, kb + k_block) - kb) / 4;
-        const float* xk = xt + kb * kWidth;
-        for (int64_t n = t0; n < t1; ++n) {
-          typename V::reg acc[S][R];
-          float* sum = sums + (n - t0) * kWidth;
-          for (int s = 0; s < S; ++s) {
+    for (int64_t ks = 0; ks < w.K; ks += k_super) {
+      const int64_t ke = std::min(w.K, ks + k_super);
+      for (int64_t t0 = n0; t0 < n1; t0 += kTileCols) {
+        const int64_t t1 = std::min(n1, t0 + kTileCols);
+        for (int64_t kb = ks; kb < ke; kb += k_block) {
+          const int64_t groups = (std::min(ke, kb + k_block) - kb) / 4;
+          const float* xk = xt + kb * kWidth;
+          for (int64_t n = t0; n < t1; ++n) {
+            typename V::reg acc[S][R];
+            float* sum = sums + (n - n0) * kWidth;
+            for (int s = 0; s < S; ++s) {
+              for (int r = 0; r < R; ++r) {
+                acc[s][r] = (s == 0 && kb > 0) ? V::load(sum + r * V::kLanes) : V::zero();
+              }
+            }
+            const int64_t v0 = n * half_k + kb / 2;
+            if (n + kPrefetchCols < t1) prefetch_column(w, v0 + kPrefetchCols * half_k, groups,
+                                                        n + kPrefetchCols, meta_row, kb);
+            const float* vals;
+            if (w.dtype == DType::kFloat32) {
+              vals = static_cast<const float*>(w.values) + v0;
+            } else {
+              const int64_t count = 2 * groups;
+              int64_t i = 0;
+              for (; i + V::kLanes <= count; i += V::kLanes) {
+                V::widen(w.dtype, w.values, v0 + i, vbuf + i);
+              }
+              for (; i < count; ++i) vbuf[i] = load_f32(w.dtype, w.values, v0 + i);
+              vals = vbuf;
+            }
+            run(xk, vals, w.meta + n * meta_row + kb / 8, groups, acc);
             for (int r = 0; r < R; ++r) {
-              acc[s][r] = (s == 0 && kb > 0) ? V::load(sum + r * V::kLanes) : V::zero();
+              for (int s = 1; s < S; ++s) acc[0][r] = V::add(acc[0][r], acc[s][r]);
+              V::store(sum + r * V::kLanes, acc[0][r]);
             }
-          }
-          const int64_t v0 = n * half_k + kb / 2;
-          if (n + kPrefetchCols < t1) prefetch_column(w, v0 + kPrefetchCols * half_k, groups,
-                                                      n + kPrefetchCols, meta_row, kb);
-          const float* vals;
-          if (w.dtype == DType::kFloat32) {
-            vals = static_cast<const float*>(w.values) + v0;
-          } else {
-            const int64_t count = 2 * groups;
-            int64_t i = 0;
-            for (; i + V::kLanes <= count; i += V::kLanes) {
-              V::widen(w.dtype, w.values, v0 + i, vbuf + i);
-            }
-            for (; i < count; ++i) vbuf[i] = load_f32(w.dtype, w.values, v0 + i);
-            vals = vbuf;
-          }
-          run(xk, vals, w.meta + n * meta_row + kb / 8, groups, acc);
-          for (int r = 0; r < R; ++r) {
-            for (int s = 1; s < S; ++s) acc[0][r] = V::add(acc[0][r], acc[s][r]);
-            V::store(sum + r * V::kLanes, acc[0][r]);
           }
         }
       }
-      store_tile(w, kWidth, sums, m0, rows, t0, t1);
+    }
+    for (int64_t t0 = n0; t0 < n1; t0 += kTileCols) {
+      store_tile(w, kWidth, sums + (t0 - n0) * kWidth, m0, rows, t0, std::min(n1, t0 + kTileCols));
     }
   }
 };
