@@ -194,6 +194,7 @@ SHAPES = [  # (M, K, N): K % 8 == 4, K < one SIMD chunk, N=1, N off every regist
     (150, 36, 20),  # >= 4 panels: rows are split into blocks as well as columns into tiles
     (200, 68, 300),
     (1, 1028, 300),
+    (53, 5124, 9),  # several K super-blocks (~160 KiB of packed x each) at every panel width
 ]
 
 

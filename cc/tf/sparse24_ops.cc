@@ -106,7 +106,8 @@ REGISTER_OP("Sparse24MatMul")
     .Doc(R"doc(
 y = x @ W for x [..., K] and W [K, N] given compressed (sparse24/v1 values [N, K/2], meta
 [N, ceil(K/8)]); y is [..., N]. Accumulates in float32; NaN/inf in x or values propagate as in a dense
-matmul. CPU SIMD variant: env var TF_SPARSE24_CPU_ISA=auto|scalar|avx2|avx512, read on every call.
+matmul. CPU SIMD variant: env var TF_SPARSE24_CPU_ISA=auto|scalar|avx2|avx512|avx512bf16, read on
+every call.
 )doc");
 
 }  // namespace tensorflow
