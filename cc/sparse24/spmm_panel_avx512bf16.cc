@@ -164,14 +164,7 @@ struct PairKernel {
     if (groups & 1) byte(xg, vals, meta, kOffsets.of, bytes, 0, false, acc);
   }
 
-  // One panel (rows m0 .. m0 + rows) times columns [n0, n1), written to y, kMaxCols at a time.
-  static void panel(const SpmmWork& w, const uint32_t* xp, int64_t m0, int64_t rows, int64_t n0,
-                    int64_t n1) {
-    for (int64_t c0 = n0; c0 < n1; c0 += panel::kMaxCols) {
-      columns(w, xp, m0, rows, c0, std::min(n1, c0 + panel::kMaxCols));
-    }
-  }
-
+  // One panel (rows m0 .. m0 + rows) times columns [n0, n1) (at most kMaxCols), written to y.
   // K runs in super-blocks of kSuperGroups, as in spmm_panel_impl.h's kernel: a super-block's pair
   // rows (about 160 KiB) stay in L2 while every column tile passes them, instead of a whole
   // panel's (1.2 MiB at K = 4096, more than L2 holds beside the tile's values) being read again
@@ -226,30 +219,15 @@ struct PairKernel {
 };
 
 template <int R>
-void tail_panel(const SpmmWork& w, const uint32_t* xp, int64_t m0, int64_t rows, int64_t n0,
-                int64_t n1, int regs) {
-  if constexpr (R >= 1) {
-    if (regs != R) return tail_panel<R - 1>(w, xp, m0, rows, n0, n1, regs);
-    PairKernel<R, kSets>::panel(w, xp, m0, rows, n0, n1);
-  }
-}
+using Pairs = PairKernel<R, kSets>;
 
-int64_t panel_width(int64_t rows) { return (rows + kLanes - 1) / kLanes * kLanes; }
+int64_t panel_width(int64_t rows) { return panel::panel_regs(rows, kLanes) * kLanes; }
 
 }  // namespace
 
 void spmm_pairs_avx512bf16(const SpmmWork& w, int64_t n0, int64_t n1) {
-  constexpr int kFullR = kPanelRows / kLanes;
-  const auto* xp = reinterpret_cast<const uint32_t*>(w.xt);
-  const int64_t row_words = pair_panel_words(w.K);
-  int64_t m0 = 0;
-  for (; m0 + kPanelRows <= w.M; m0 += kPanelRows) {
-    PairKernel<kFullR, kSets>::panel(w, xp + m0 * row_words, m0, kPanelRows, n0, n1);
-  }
-  const int64_t rows = w.M - m0;
-  if (rows == 0) return;
-  tail_panel<kFullR>(w, xp + m0 * row_words, m0, rows, n0, n1,
-                     static_cast<int>(panel_width(rows) / kLanes));
+  panel::for_each_panel<Pairs, kLanes>(w, reinterpret_cast<const uint32_t*>(w.xt),
+                                       pair_panel_words(w.K), n0, n1);
 }
 
 void pack_pairs_avx512bf16(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,

@@ -184,6 +184,13 @@ static void store_tile(const SpmmWork& w, int64_t width, const float* sums, int6
   }
 }
 
+// Rows of k per block, so a panel's block of x^T (k_block * width floats) stays near 16 KiB of L1
+// beside the partial sums and the streaming values. Whole meta bytes: a multiple of 8.
+constexpr int64_t k_block_for(int64_t width) { return 4096 / width / 8 * 8; }
+
+// Accumulator sets for R registers per panel row: R * S >= 8 independent FMA chains.
+constexpr int accumulator_sets(int R) { return (8 + R - 1) / R; }
+
 // V: SIMD traits with `using reg`, `kLanes`, zero(), load(const float*), store(float*, reg),
 // broadcast(const float*), fmadd(a, b, c) = a * b + c, add(a, b), and
 // widen(DType, const void* src, int64_t i, float* dst): kLanes bf16/f16 values from src[i] to
@@ -191,7 +198,7 @@ static void store_tile(const SpmmWork& w, int64_t width, const float* sums, int6
 //
 // R: SIMD registers per panel row (width = R * kLanes rows of x). S: accumulator sets, so R * S
 // independent FMA chains hide the FMA latency.
-template <class V, int R, int S>
+template <class V, int R, int S = accumulator_sets(R)>
 struct Microkernel {
   static constexpr int64_t kWidth = R * V::kLanes;
 
@@ -249,21 +256,14 @@ struct Microkernel {
     __builtin_prefetch(w.meta + n * meta_row + kb / 8);
   }
 
-  // One panel (rows m0 .. m0 + rows) times columns [n0, n1), written to y, kMaxCols at a time.
-  static void panel(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
-                    int64_t n1, int64_t k_block) {
-    for (int64_t c0 = n0; c0 < n1; c0 += kMaxCols) {
-      columns(w, xt, m0, rows, c0, std::min(n1, c0 + kMaxCols), k_block);
-    }
-  }
-
+  // One panel (rows m0 .. m0 + rows) times columns [n0, n1) (at most kMaxCols), written to y.
   // K runs in super-blocks of about 160 KiB of x^T, each passed by every column tile before the
   // next, so it stays in L2 (a whole panel is 768 KiB at K = 4096 in float32, more than L2 holds
   // beside the tiles' values; 3-9% faster on Zen 5); the partial sums of all the columns live in
   // `sums` between super-blocks. spmm_panel_avx512bf16.cc's kernel walks K the same way.
   static void columns(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
-                      int64_t n1, int64_t k_block) {
-    const int64_t half_k = w.K / 2, meta_row = (w.K + 7) / 8;
+                      int64_t n1) {
+    const int64_t half_k = w.K / 2, meta_row = (w.K + 7) / 8, k_block = k_block_for(kWidth);
     const int64_t k_super = std::max<int64_t>(1, kSuperBlockWords / kWidth / k_block) * k_block;
     // On the stack (48 KiB at width 48): a per-thread heap buffer instead ran 5-7% slower at
     // M = 16-32 on Zen 5. Threads need a stack of ~96 KiB or more (TF's and Python's: 8 MiB).
@@ -314,52 +314,61 @@ struct Microkernel {
   }
 };
 
-// Rows of k per block, so a panel's block of x^T (k_block * width floats) stays near 16 KiB of L1
-// beside the tile buffer and the streaming values. Whole meta bytes: a multiple of 8.
-constexpr int64_t k_block_for(int64_t width) { return 4096 / width / 8 * 8; }
-
-// Accumulator sets for R registers per panel row: R * S >= 8 independent FMA chains.
-constexpr int accumulator_sets(int R) { return (8 + R - 1) / R; }
-
-// Registers per panel row for a panel of `rows` (<= kPanelRows) rows: the tail panel's width is
-// rounded up to whole registers, and the pack zero-fills the rows past M. The pack and the kernel
-// both take the width from here.
-template <class V>
-constexpr int panel_regs(int64_t rows) {
-  return static_cast<int>((rows + V::kLanes - 1) / V::kLanes);
+// Registers of `lanes` rows per panel row for a panel of `rows` (<= kPanelRows) rows: the tail
+// panel's width is rounded up to whole registers, and the packs zero-fill the rows past M. The
+// packs and for_each_panel take the width from here.
+constexpr int panel_regs(int64_t rows, int64_t lanes) {
+  return static_cast<int>((rows + lanes - 1) / lanes);
 }
 
 // One panel of x (`rows` <= kPanelRows rows) packed for the kernel of V: see pack_transposed.
 template <class V>
 void pack_panel(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,
                 uint8_t* bad) {
-  pack_transposed(dtype, x, ldx, rows, K, panel_regs<V>(rows) * V::kLanes, xt, bad);
+  pack_transposed(dtype, x, ldx, rows, K, panel_regs(rows, V::kLanes) * V::kLanes, xt, bad);
 }
 
-// The tail panel: fewer than kPanelRows rows, `regs` (<= kPanelRows / lanes) registers wide.
-template <class V, int R>
-void tail_panel(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
-                int64_t n1, int regs) {
+// The tail panel's kernel: Kernel<regs>, for regs <= R.
+template <template <int> class Kernel, int R, class Word>
+void tail_columns(int regs, const SpmmWork& w, const Word* x, int64_t m0, int64_t rows, int64_t n0,
+                  int64_t n1) {
   if constexpr (R >= 1) {
-    if (regs != R) return tail_panel<V, R - 1>(w, xt, m0, rows, n0, n1, regs);
-    Microkernel<V, R, accumulator_sets(R)>::panel(w, xt, m0, rows, n0, n1,
-                                                  k_block_for(R * V::kLanes));
+    if (regs != R) return tail_columns<Kernel, R - 1>(regs, w, x, m0, rows, n0, n1);
+    Kernel<R>::columns(w, x, m0, rows, n0, n1);
   }
 }
 
-// All rows of y for columns [n0, n1): full panels of kPanelRows rows, then the tail panel.
+// All rows of y for columns [n0, n1), for both panel kernels (Microkernel and
+// spmm_panel_avx512bf16.cc's): Kernel<R>::columns on each panel of kPanelRows rows (R = registers
+// of kLanes rows), then on the tail panel (R: its rows rounded up to whole registers, the pack's
+// width), kMaxCols columns at a time. x: the pack, row_words words per row of x.
+template <template <int> class Kernel, int kLanes, class Word>
+void for_each_panel(const SpmmWork& w, const Word* x, int64_t row_words, int64_t n0, int64_t n1) {
+  static_assert(kPanelRows % kLanes == 0, "panel width must be whole registers");
+  constexpr int kFullR = kPanelRows / kLanes;
+  for (int64_t c0 = n0; c0 < n1; c0 += kMaxCols) {
+    const int64_t c1 = std::min(n1, c0 + kMaxCols);
+    int64_t m0 = 0;
+    for (; m0 + kPanelRows <= w.M; m0 += kPanelRows) {
+      Kernel<kFullR>::columns(w, x + m0 * row_words, m0, kPanelRows, c0, c1);
+    }
+    const int64_t rows = w.M - m0;
+    if (rows == 0) continue;
+    tail_columns<Kernel, kFullR>(panel_regs(rows, kLanes), w, x + m0 * row_words, m0, rows, c0,
+                                 c1);
+  }
+}
+
+template <class V>
+struct MicrokernelOf {
+  template <int R>
+  using Kernel = Microkernel<V, R>;
+};
+
+// All rows of y for columns [n0, n1) with the x^T panels of V's kernel.
 template <class V>
 void run_panels(const SpmmWork& w, int64_t n0, int64_t n1) {
-  static_assert(kPanelRows % V::kLanes == 0, "panel width must be whole registers");
-  constexpr int kFullR = kPanelRows / V::kLanes;
-  int64_t m0 = 0;
-  for (; m0 + kPanelRows <= w.M; m0 += kPanelRows) {
-    Microkernel<V, kFullR, accumulator_sets(kFullR)>::panel(w, w.xt + m0 * w.K, m0, kPanelRows, n0,
-                                                            n1, k_block_for(kPanelRows));
-  }
-  const int64_t rows = w.M - m0;
-  if (rows == 0) return;
-  tail_panel<V, kFullR>(w, w.xt + m0 * w.K, m0, rows, n0, n1, panel_regs<V>(rows));
+  for_each_panel<MicrokernelOf<V>::template Kernel, V::kLanes>(w, w.xt, w.K, n0, n1);
 }
 
 }  // namespace panel
