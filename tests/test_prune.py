@@ -310,13 +310,23 @@ def test_eligible_weights():
     assert (path, axis) == ("kernel", 1) and var is einsum.kernel
 
 
-@keras.saving.register_keras_serializable(package="test_prune")
-class Block(keras.layers.Layer):
-    """A user layer holding two Dense sublayers (attributes, not a model)."""
+class _UnitsBlock(keras.layers.Layer):
+    """A test block of sublayers whose config is its `units`."""
 
     def __init__(self, units=8, **kwargs):
         super().__init__(**kwargs)
         self.units = units
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@keras.saving.register_keras_serializable(package="test_prune")
+class Block(_UnitsBlock):
+    """A user layer holding two Dense sublayers (attributes, not a model)."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(units, **kwargs)
         self.fc1 = keras.layers.Dense(units, activation="relu", name="fc1")
         self.fc2 = keras.layers.Dense(units, name="fc2")
 
@@ -326,9 +336,6 @@ class Block(keras.layers.Layer):
 
     def call(self, x):
         return self.fc2(self.fc1(x))
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units}
 
 
 @keras.saving.register_keras_serializable(package="test_prune")
@@ -1081,12 +1088,11 @@ def test_a_block_whose_sublayers_build_on_first_call_is_copied_saved_and_strippe
 
 
 @keras.saving.register_keras_serializable("test_prune")
-class _HalfBuilt(keras.layers.Layer):
+class _HalfBuilt(_UnitsBlock):
     """Its build() builds the second Dense only; the first makes its weights when first called."""
 
     def __init__(self, units=8, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
+        super().__init__(units, **kwargs)
         self.lazy = keras.layers.Dense(units)
         self.eager = keras.layers.Dense(units)
 
@@ -1096,25 +1102,18 @@ class _HalfBuilt(keras.layers.Layer):
     def call(self, x):
         return self.eager(x) + 2.0 * self.lazy(x)
 
-    def get_config(self):
-        return {**super().get_config(), "units": self.units}
-
 
 @keras.saving.register_keras_serializable("test_prune")
-class _DenseThenDropout(keras.layers.Layer):
+class _DenseThenDropout(_UnitsBlock):
     """No build(); Dropout's seed state exists before the Dense's kernel does."""
 
     def __init__(self, units=8, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
+        super().__init__(units, **kwargs)
         self.dense = keras.layers.Dense(units)
         self.drop = keras.layers.Dropout(0.1)
 
     def call(self, x, training=None):
         return self.drop(self.dense(x), training=training)
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units}
 
 
 @pytest.mark.parametrize("make", [_HalfBuilt, _DenseThenDropout])
@@ -1143,21 +1142,17 @@ def test_a_partly_lazy_blocks_masks_load_onto_the_weights_they_were_made_for(mak
 
 
 @keras.saving.register_keras_serializable("test_prune")
-class _Optional(keras.layers.Layer):
+class _Optional(_UnitsBlock):
     """No build(); its feed-forward Dense runs only when asked."""
 
     def __init__(self, units=8, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
+        super().__init__(units, **kwargs)
         self.proj = keras.layers.Dense(units)
         self.ffn = keras.layers.Dense(units)
 
     def call(self, x, use_ffn=False):
         x = self.proj(x)
         return x + self.ffn(x) if use_ffn else x
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units}
 
 
 def test_a_shared_block_whose_first_call_leaves_weights_unmade_is_refused_before_pruning():
