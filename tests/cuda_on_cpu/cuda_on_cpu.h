@@ -64,6 +64,7 @@ struct Launch {
   int any = 0;                             // __syncthreads_or
 };
 inline Launch* current = nullptr;
+inline std::mutex one_launch_at_a_time;  // `current` and the __shared__ statics are global
 
 // Back to the scheduler; returns when every thread of the block has reached this point.
 inline void barrier() {
@@ -83,7 +84,6 @@ void run(int grid, int block, const Body& body) {
   if (grid <= 0 || block <= 0 || block % 32 != 0) {
     throw std::runtime_error("cuda_on_cpu: a launch needs grid > 0 and a block of whole warps");
   }
-  static std::mutex one_launch_at_a_time;
   std::lock_guard<std::mutex> lock(one_launch_at_a_time);
   Launch l;
   l.body = &body;
