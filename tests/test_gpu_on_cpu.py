@@ -23,6 +23,7 @@ them and skips elsewhere.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import glob
 import hashlib
 import os
@@ -46,6 +47,7 @@ from tf_sparse24 import format as fmt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CC = os.path.join(ROOT, "cc", "sparse24")
 KERNELS = os.path.join(CC, "gpu_kernels.cu")
+HARNESS = os.path.join(CC, "gpu_check.cu")
 HOST_SOURCES = [*(os.path.join(CC, f"gpu_{name}.cu") for name in ("matmul", "spmm", "blas", "dlopen")),
                 os.path.join(CC, "cusparselt.cc")]  # fmt: skip
 EMULATION = os.path.join(ROOT, "tests", "cuda_on_cpu")
@@ -95,10 +97,50 @@ def rewrite_launches(source: str) -> str:
     return rewritten
 
 
+def _compile_all(tmp: str, include: str) -> None:
+    """Compiles the GPU sources (the .cu files with kernels rewritten first) and the emulation,
+    links tmp/libgpu.so, tmp/gpu_check and the fake libraries."""
+    flags = ["-std=c++17", "-O1", "-fPIC", "-Wall", "-Werror", f"-I{ROOT}", f"-I{include}"]
+    jobs = {}  # object name: compiler arguments
+    for name, path in (("kernels", KERNELS), ("harness", HARNESS)):
+        with open(path) as f:
+            source = rewrite_launches(f.read())
+        rewritten = os.path.join(tmp, f"{name}.cc")
+        with open(rewritten, "w") as f:
+            f.write(f'#line 1 "{path}"\n{source}')
+        jobs[name] = ["-include", os.path.join(EMULATION, "cuda_on_cpu.h"), rewritten]
+    for src in HOST_SOURCES:
+        jobs[os.path.basename(src)] = ["-x", "c++", src]
+    for name in ("cuda_runtime_on_cpu", "gpu_entry"):
+        jobs[name] = [os.path.join(EMULATION, f"{name}.cc")]
+
+    def compile_one(name: str) -> subprocess.CompletedProcess:
+        cmd = ["g++", *flags, "-c", *jobs[name], "-o", os.path.join(tmp, f"{name}.o")]
+        return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        for done in pool.map(compile_one, jobs):
+            assert done.returncode == 0, done.stderr[-3000:]
+    objects = {name: os.path.join(tmp, f"{name}.o") for name in jobs}
+    common = [o for name, o in objects.items() if name not in ("harness", "gpu_entry")]
+    # -Bsymbolic: our cuda* stand-ins, not the CUDA stubs a loaded TensorFlow exports.
+    link = ["g++", "-shared", "-Wl,-Bsymbolic"]
+    libs = ["-ldl", "-lpthread"]
+    libgpu = os.path.join(tmp, "libgpu.so")
+    subprocess.run([*link, *common, objects["gpu_entry"], "-o", libgpu, *libs], check=True)
+    harness = [objects["harness"], *common]
+    subprocess.run(["g++", *harness, "-o", os.path.join(tmp, "gpu_check"), *libs], check=True)
+    fakes = {"libcusparseLt.so.0": "fake_cusparselt", "libcublas.so.13": "fake_cublas"}
+    for name, fake in fakes.items():
+        source = os.path.join(EMULATION, f"{fake}.cc")
+        subprocess.run([*link, *flags, source, "-o", os.path.join(tmp, name)], check=True)
+
+
 def _build(out_dir: str, include: str) -> dict[str, str]:
     """Builds, once per source state, into out_dir/<hash>/: libgpu.so (the GPU sources, the
-    kernels' launches rewritten, with the runtime stand-in and the C entry points), and the fake
-    libraries libcusparseLt.so.0 and libcublas.so.13. Returns their paths by those names."""
+    kernels' launches rewritten, with the runtime stand-in and the C entry points), the gpu_check
+    harness on the same objects, and the fake libraries libcusparseLt.so.0 and libcublas.so.13.
+    Returns their paths by those names. A file lock makes parallel workers share one build."""
     sources = sorted(
         glob.glob(os.path.join(CC, "gpu_*.*")) + glob.glob(os.path.join(CC, "cusparselt*"))
     )
@@ -106,49 +148,14 @@ def _build(out_dir: str, include: str) -> dict[str, str]:
               *sorted(glob.glob(os.path.join(EMULATION, "*")))]  # fmt: skip
     digest = hashlib.sha1(b"".join(pathlib.Path(p).read_bytes() for p in inputs)).hexdigest()[:12]
     out = os.path.join(out_dir, digest)
-    libs = {
-        name: os.path.join(out, name)
-        for name in ("libgpu.so", "libcusparseLt.so.0", "libcublas.so.13")
-    }
-    if os.path.exists(out):
-        return libs
-    tmp = tempfile.mkdtemp(dir=out_dir)
-    with open(KERNELS) as f:
-        kernels = rewrite_launches(f.read())
-    rewritten = os.path.join(tmp, "gpu_kernels_on_cpu.cc")
-    with open(rewritten, "w") as f:
-        f.write(f'#line 1 "{KERNELS}"\n{kernels}')
-    flags = ["-std=c++17", "-O1", "-fPIC", "-Wall", "-Werror", f"-I{ROOT}", f"-I{include}"]
-    emulation = [
-        os.path.join(EMULATION, f"{name}.cc") for name in ("cuda_runtime_on_cpu", "gpu_entry")
-    ]
-    jobs = [
-        ["-include", os.path.join(EMULATION, "cuda_on_cpu.h"), rewritten],
-        *(["-x", "c++", src] for src in HOST_SOURCES),
-        *([src] for src in emulation),
-    ]
-    objects = [os.path.join(tmp, f"{i}.o") for i in range(len(jobs))]
-
-    def compile_one(job: list[str], obj: str) -> subprocess.CompletedProcess:
-        cmd = ["g++", *flags, "-c", *job, "-o", obj]
-        return subprocess.run(cmd, capture_output=True, text=True, check=False)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-        for done in pool.map(compile_one, jobs, objects):
-            assert done.returncode == 0, done.stderr[-3000:]
-    # -Bsymbolic: our cuda* stand-ins, not the CUDA stubs a loaded TensorFlow exports.
-    link = ["g++", "-shared", "-Wl,-Bsymbolic"]
-    libgpu = os.path.join(tmp, "libgpu.so")
-    subprocess.run([*link, *objects, "-o", libgpu, "-ldl", "-lpthread"], check=True)
-    fakes = {"libcusparseLt.so.0": "fake_cusparselt", "libcublas.so.13": "fake_cublas"}
-    for name, fake in fakes.items():
-        source = os.path.join(EMULATION, f"{fake}.cc")
-        subprocess.run([*link, *flags, source, "-o", os.path.join(tmp, name)], check=True)
-    try:
-        os.rename(tmp, out)  # atomic: parallel workers may race here
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another worker's build landed first
-    return libs
+    names = ("libgpu.so", "gpu_check", "libcusparseLt.so.0", "libcublas.so.13")
+    with open(os.path.join(out_dir, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(out):
+            tmp = tempfile.mkdtemp(dir=out_dir)
+            _compile_all(tmp, include)
+            os.rename(tmp, out)
+    return {name: os.path.join(out, name) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -725,3 +732,32 @@ def test_concurrent_calls_and_every_buffer_released(gpu):
         assert session.stats()["cached_weights"] == len(problems)
         assert gpu.sim_live_events() - before[2] == len(problems)
     assert (gpu.sim_live_buffers(), gpu.sim_live_pinned(), gpu.sim_live_events()) == before
+
+
+# --------------------------------------------------------------------------------------------------
+# The gpu_check harness (scripts/gpu_check.sh runs it on a GPU), run whole on the emulation
+
+
+def test_gpu_check_harness_runs_through(built, tmp_path):
+    """Every check of the harness passes and its benchmark table is printed and written, on the
+    emulation with the stand-in libraries (--small-checks: its large check shapes scaled down;
+    its times are CPU times, meaningless). So the one run on a GPU does not find harness bugs."""
+    cmd = [built["gpu_check"], "--small-checks", "--sizes", "32", "--ffn", "32x64",
+           "--batches", "1,16", "--warmup", "1", "--reps", "2", "--out", str(tmp_path),
+           "--cusparselt", built["libcusparseLt.so.0"], "--cublas", built["libcublas.so.13"]]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "gpu_check: all checks passed (0 failed checks, 0 skipped)"
+    assert not [line for line in lines if "[FAIL]" in line]
+    assert sum("[ok]" in line for line in lines) >= 290
+    with open(tmp_path / "gpu_check.csv") as f:
+        rows = [line.split(",") for line in f.read().splitlines()]
+    assert rows[0][:4] == ["dtype", "M", "K", "N"] and len(rows) == 1 + 2 * 3
+    assert {(r[0], r[1], r[2], r[3]) for r in rows[1:]} == {
+        (t, m, k, n) for t in ("bf16", "fp16") for m, k, n in [("32",) * 3, ("1", "32", "64"),
+                                                               ("16", "32", "64")]
+    }  # fmt: skip
+    assert all(float(r[8]) < 1e-2 for r in rows[1:])  # rel err of each timed shape
+    with open(tmp_path / "gpu_check.log") as f:
+        assert f.read() == run.stdout

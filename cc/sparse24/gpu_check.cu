@@ -543,11 +543,13 @@ void check_matmul(gpu::LtContext* ctx, DType t, int64_t M, int64_t K, int64_t N)
 
 // Busy-waits on the device for `ms` milliseconds (keeps later work on the stream queued).
 __global__ void spin_kernel(unsigned long long ms) {
+#ifdef __CUDA_ARCH__  // device code only: tests/test_gpu_on_cpu.py compiles this file for the CPU
   unsigned long long start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   do {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   } while (now - start < ms * 1000000ull);
+#endif
 }
 
 bool g_memory_pools = true;  // cudaDevAttrMemoryPoolsSupported, read in main
@@ -1065,15 +1067,17 @@ struct Args {
   std::vector<DType> dtypes{DType::kBFloat16, DType::kFloat16};
   int warmup = 10, reps = 30, check_rows = 8;
   std::string cusparselt, cublas, out_dir;
-  bool dry_run = false, skip_checks = false, skip_bench = false;
+  bool dry_run = false, skip_checks = false, skip_bench = false, small_checks = false;
 };
 
 void usage() {
   out("usage: gpu_check [--sizes 4096,8192,16384] [--ffn 768x3072,...(KxN)] [--batches 1,16,64]\n"
       "                 [--dtypes bf16,fp16] [--warmup N] [--reps N] [--check-rows N]\n"
       "                 [--cusparselt PATH/libcusparseLt.so.0] [--cublas PATH/libcublas.so.N]\n"
-      "                 [--out DIR] [--skip-checks] [--skip-bench] [--dry-run]\n"
-      "  --dry-run: parse, load the libraries, print the plan; no GPU needed.\n");
+      "                 [--out DIR] [--skip-checks] [--skip-bench] [--small-checks] [--dry-run]\n"
+      "  --dry-run: parse, load the libraries, print the plan; no GPU needed.\n"
+      "  --small-checks: the checks' large shapes scaled down, same paths (for the CPU emulation\n"
+      "    of tests/test_gpu_on_cpu.py; a GPU run uses the full ones).\n");
 }
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -1111,6 +1115,7 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--dry-run") a.dry_run = true;
     else if (flag == "--skip-checks") a.skip_checks = true;
     else if (flag == "--skip-bench") a.skip_bench = true;
+    else if (flag == "--small-checks") a.small_checks = true;
     else if (flag == "--sizes") { a.sizes.clear(); for (auto& s : split(value(), ',')) if (!s.empty()) a.sizes.push_back(parse_int(flag, s, 16, 65536)); }
     else if (flag == "--batches") { a.batches.clear(); for (auto& s : split(value(), ',')) if (!s.empty()) a.batches.push_back(parse_int(flag, s, 1, 65536)); }
     else if (flag == "--ffn") {
@@ -1205,17 +1210,21 @@ int main(int argc, char** argv) {
 
   if (!args.skip_checks) {
     out("\n== checks (fresh random inputs each run; outputs poisoned with NaN first)\n");
+    // big(full, small): a large check shape's dimension, or its --small-checks stand-in (the
+    // same paths: multiples of 16 stay multiples of 16, padded row counts stay padded).
+    auto big = [&](int64_t full, int64_t small) { return args.small_checks ? small : full; };
     for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-      for (auto [K, N] : std::vector<std::pair<int64_t, int64_t>>{{20, 12}, {200, 48}, {1024, 4096}}) {
+      for (auto [K, N] : std::vector<std::pair<int64_t, int64_t>>{
+               {20, 12}, {200, 48}, {big(1024, 64), big(4096, 96)}}) {
         check_format(t, K, N);
       }
     }
     for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
       check_matmul(ctx, t, 3, 20, 12);      // unaligned: fallback only
       check_matmul(ctx, t, 37, 200, 48);    // K not a multiple of 16: fallback only
-      check_matmul(ctx, t, 1, 768, 3072);   // batch 1, padded to 16 rows
-      check_matmul(ctx, t, 50, 1024, 256);  // padded to 64 rows
-      check_matmul(ctx, t, 256, 4096, 4096);
+      check_matmul(ctx, t, 1, big(768, 64), big(3072, 48));    // batch 1, padded to 16 rows
+      check_matmul(ctx, t, 50, big(1024, 64), big(256, 32));   // padded to 64 rows
+      check_matmul(ctx, t, big(256, 32), big(4096, 128), big(4096, 64));
     }
     cudaStream_t stream;  // outlives each check's SparseMatMul, whose buffers are freed on it
     CUDA_OK(cudaStreamCreate(&stream));
@@ -1226,7 +1235,7 @@ int main(int argc, char** argv) {
       check_fallback(t, 8, 200, 48, stream);   // K % 16 != 0, up to 8 rows: plain kernel
       check_fallback(t, 37, 200, 48, stream);  // the same, cuBLAS on the decompressed weight
     }
-    check_fallback(DType::kFloat32, 64, 1024, 256, stream);
+    check_fallback(DType::kFloat32, 64, big(1024, 128), big(256, 32), stream);
     for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
       if (ctx != nullptr || t == DType::kFloat32) {
         check_nonfinite(t, 40, 512, 256, stream);  // cuSPARSELt (fp32: cuBLAS)

@@ -15,8 +15,8 @@
 #ifndef TF_SPARSE24_TESTS_CUDA_ON_CPU_H_
 #define TF_SPARSE24_TESTS_CUDA_ON_CPU_H_
 
-#include <cuda_fp16.h>          // __half and its host conversions
-#include <cuda_runtime_api.h>   // cudaError_t, cudaStream_t, ulonglong2
+#include <cuda_fp16.h>     // __half and its host conversions
+#include <cuda_runtime.h>  // before the macros below (its headers name threadIdx etc.)
 
 #include <ucontext.h>
 
@@ -131,6 +131,11 @@ Launcher<Params...> launch(int grid, int block, size_t shmem, cudaStream_t,
                            void (*kernel)(Params...)) {
   if (shmem != 0) throw std::runtime_error("cuda_on_cpu: dynamic shared memory is not modelled");
   return {grid, block, kernel};
+}
+
+template <typename... Params>  // <<<grid, block>>>
+Launcher<Params...> launch(int grid, int block, void (*kernel)(Params...)) {
+  return launch(grid, block, 0, nullptr, kernel);
 }
 
 }  // namespace cuda_on_cpu
