@@ -1,6 +1,7 @@
 """The GPU path's code run on the CPU (this machine has no GPU): the CUDA kernels of
-cc/sparse24/gpu_kernels.cu, and the host code around them (gpu_matmul.cu's SparseMatMul with its
-weight cache, gpu_spmm.cu's cuSPARSELt calls, gpu_blas.cu's cuBLAS fallback, the library loading).
+cc/sparse24/gpu_kernels.cu, the host code around them (gpu_matmul.cu's SparseMatMul with its
+weight cache, gpu_spmm.cu's cuSPARSELt calls, gpu_blas.cu's cuBLAS fallback, the library loading),
+and the gpu_check harness that scripts/gpu_check.sh runs on a GPU.
 
 The GPU sources are compiled by g++ as C++. For gpu_kernels.cu, tests/cuda_on_cpu/cuda_on_cpu.h
 (force-included) runs every CUDA thread of a launch as a fiber and every barrier (__syncthreads,
@@ -12,11 +13,11 @@ libraries, loaded the way the op loads the real ones ($TF_SPARSE24_CUSPARSELT, $
 Checked against independent references: compress, check_meta and decompress bit for bit against
 format.py; the plain SpMM, NaN/Inf propagation and every SparseMatMul path against a float64 dense
 matmul; the fingerprint against a numpy transcription of its formula; the cache's hits, repairs of
-weights changed in place, evictions, fallbacks, errors and log lines. What needs the GPU (the real
-cuSPARSELt's layout and numbers, speed, TensorFlow's stream and allocator) is for
-scripts/gpu_check.sh.
+weights changed in place, evictions, fallbacks, errors and log lines; the harness's own checks all
+passing. What needs the GPU (the real cuSPARSELt's layout and numbers, speed, TensorFlow's stream
+and allocator) is for scripts/gpu_check.sh.
 
-Needs the CUDA headers (cuda_fp16.h, cuda_runtime_api.h; not nvcc): fails under CI=true without
+Needs the CUDA headers (cuda_fp16.h, cuda_runtime.h; not nvcc): fails under CI=true without
 them and skips elsewhere.
 """
 
@@ -179,7 +180,7 @@ def load(path: str) -> ctypes.CDLL:
 @pytest.fixture(scope="module")
 def gpu(built) -> ctypes.CDLL:
     """The GPU sources on the CPU, finding the fake cuSPARSELt and cuBLAS (each library instance
-    loads them once: variants with other settings load copies, `fresh_gpu`)."""
+    loads them once, at first use: tests of other settings load a copy of the library)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TF_SPARSE24_CUSPARSELT", built["libcusparseLt.so.0"])
         env.setenv("TF_SPARSE24_CUBLAS", built["libcublas.so.13"])
@@ -322,23 +323,30 @@ def dense_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x.astype(np.float64) @ w.astype(np.float64)
 
 
+def problem(rng, dtype, m, k, n):
+    """x [m, k], a 2:4 W [k, n] and its compressed form, in dtype."""
+    x = rng.standard_normal((m, k)).astype(dtype)
+    w = random_24(rng, k, n, dtype)
+    return (x, w, *fmt.compress(w))
+
+
+def assert_close(y, x, w):
+    """y = x @ w up to rounding to y's dtype and float32 accumulation over K (K 2^-24 sum|x w|)."""
+    ref = dense_reference(x, w)
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64))
+    bound = OUT_EPS[x.dtype.type] * np.abs(ref) + x.shape[1] * 2.0**-24 * magnitude + 2.0**-130
+    err = np.abs(y.astype(np.float64) - ref)
+    assert (err <= bound).all(), f"max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+
+
 @settings(max_examples=25, deadline=None)
 @given(m=st.integers(1, 9), groups=st.integers(1, 24), n=st.integers(1, 40),
        dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**32 - 1))  # fmt: skip
 def test_spmm_simple_matches_float64(gpu, m, groups, n, dtype, seed):
     """Rows 1..9 (tiles of 4 rows, a partial last one), K up to 96 (the lanes of a warp split the
     groups: some lanes get none, some two)."""
-    rng = np.random.default_rng(seed)
-    k = 4 * groups
-    x = rng.standard_normal((m, k)).astype(dtype)
-    w = random_24(rng, k, n, dtype)
-    values, meta = fmt.compress(w)
-    y = spmm(gpu, x, values, meta, k).astype(np.float64)
-    ref = dense_reference(x, w)
-    magnitude = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64))
-    bound = OUT_EPS[dtype] * np.abs(ref) + k * 2.0**-24 * magnitude + 2.0**-130
-    err = np.abs(y - ref)
-    assert (err <= bound).all(), f"max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+    x, w, values, meta = problem(np.random.default_rng(seed), dtype, m, 4 * groups, n)
+    assert_close(spmm(gpu, x, values, meta, 4 * groups), x, w)
 
 
 def test_spmm_simple_unless_leaves_y_when_the_fingerprint_matches(gpu):
@@ -514,21 +522,6 @@ class Session:
         out = ctypes.create_string_buffer(1 << 16)
         self.lib.sim_session_logs(self.handle, out, len(out))
         return out.value.decode().splitlines()
-
-
-def problem(rng, dtype, m, k, n):
-    """x [m, k], a 2:4 W [k, n] and its compressed form, in dtype."""
-    x = rng.standard_normal((m, k)).astype(dtype)
-    w = random_24(rng, k, n, dtype)
-    return (x, w, *fmt.compress(w))
-
-
-def assert_close(y, x, w):
-    ref = dense_reference(x, w)
-    magnitude = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64))
-    bound = OUT_EPS[x.dtype.type] * np.abs(ref) + x.shape[1] * 2.0**-24 * magnitude + 2.0**-130
-    err = np.abs(y.astype(np.float64) - ref)
-    assert (err <= bound).all(), f"max err {err.max()} (bound there {bound.flat[err.argmax()]})"
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 // Runs CUDA C++ kernels on the CPU, for tests on machines without a GPU: force-included (g++
-// -include) ahead of a .cu file whose launches `kernel<<<grid, block, shmem, stream>>>(args)` were
-// rewritten to `cuda_on_cpu::launch(grid, block, shmem, stream, &kernel)(args)`
-// (tests/test_gpu_kernels_on_cpu.py does both).
+// -include) ahead of a .cu file whose launches `kernel<<<grid, block[, shmem, stream]>>>(args)`
+// were rewritten to `cuda_on_cpu::launch(grid, block[, shmem, stream], &kernel)(args)`
+// (tests/test_gpu_on_cpu.py does both).
 //
 // Each CUDA thread of a block is a fiber (ucontext) with its own stack, and the blocks run one
 // after another. Every barrier (__syncthreads, __syncthreads_or, each warp shuffle) is a yield to
