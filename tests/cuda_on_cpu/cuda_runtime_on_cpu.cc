@@ -1,8 +1,9 @@
 // The CUDA runtime calls the GPU sources and the gpu_check harness make, for running them on the
 // CPU (see cuda_on_cpu.h): one device (sm_90, no memory pools), device and pinned memory are host
-// memory, streams run each call as it is made, events complete at once and time the host. Like the real runtime, a failing call is recorded as the thread's last error, which
-// cudaGetLastError (which every launcher calls) returns and clears; sim_events_not_ready makes
-// event queries answer cudaErrorNotReady, which the runtime also records that way.
+// memory, streams run each call as it is made, events complete at once and time the host. Like the
+// real runtime, a failing call is recorded as the thread's last error, which cudaGetLastError
+// (which every launcher calls) returns and clears; sim_events_not_ready makes event queries answer
+// cudaErrorNotReady, which the runtime also records that way.
 #include <cuda_runtime_api.h>
 
 #include <atomic>

@@ -6,28 +6,16 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cc/sparse24/dtype.h"
-#include "cc/sparse24/half.h"
+#include "tests/cuda_on_cpu/cuda_elements.h"
 
 namespace {
 
 constexpr int kSuccess = 0, kInvalidValue = 7, kExecutionFailed = 13;
-constexpr int kR32F = 0, kR16F = 2, kR16BF = 14, kCompute32F = 68;
+constexpr int kCompute32F = 68;
 constexpr int kHandleMagic = 0x5e1fb1a5;
 
-float load(int type, const void* p, int64_t i) {
-  if (type == kR32F) return static_cast<const float*>(p)[i];
-  const uint16_t h = static_cast<const uint16_t*>(p)[i];
-  return type == kR16BF ? sparse24::bf16_to_f32(h) : sparse24::f16_to_f32(h);
-}
-
-void store(int type, void* p, int64_t i, float v) {
-  if (type == kR32F) {
-    static_cast<float*>(p)[i] = v;
-  } else {
-    static_cast<uint16_t*>(p)[i] = type == kR16BF ? sparse24::f32_to_bf16(v) : sparse24::f32_to_f16(v);
-  }
-}
+using cuda_on_cpu::load_element;
+using cuda_on_cpu::store_element;
 
 bool live(void* handle) { return handle != nullptr && *static_cast<int*>(handle) == kHandleMagic; }
 
@@ -59,23 +47,23 @@ int cublasGemmEx(void* handle, int trans_a, int trans_b, int m, int n, int k, co
   const char* fail = std::getenv("FAKE_CUBLAS_FAIL");
   if (fail && fail[0] == '1') return kExecutionFailed;
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+  // Column-major: X(r, c) at X[r + c * ldx]; op(X) = X or its transpose.
+  auto at = [](int r, int c, int ld) { return r + static_cast<int64_t>(c) * ld; };
   std::vector<float> out(static_cast<size_t>(m) * n);
   for (int j = 0; j < n; ++j) {
     for (int i = 0; i < m; ++i) {
       float acc = 0.f;
       for (int l = 0; l < k; ++l) {
-        const float x = load(a_type, a, trans_a ? l + static_cast<int64_t>(i) * lda
-                                                : i + static_cast<int64_t>(l) * lda);
-        const float y = load(b_type, b, trans_b ? j + static_cast<int64_t>(l) * ldb
-                                                : l + static_cast<int64_t>(j) * ldb);
+        const float x = load_element(a_type, a, trans_a ? at(l, i, lda) : at(i, l, lda));
+        const float y = load_element(b_type, b, trans_b ? at(j, l, ldb) : at(l, j, ldb));
         acc += x * y;
       }
-      const int64_t at = i + static_cast<int64_t>(j) * ldc;
-      out[i + static_cast<size_t>(j) * m] = al * acc + (be != 0.f ? be * load(c_type, c, at) : 0.f);
+      const float old = be != 0.f ? be * load_element(c_type, c, at(i, j, ldc)) : 0.f;
+      out[at(i, j, m)] = al * acc + old;
     }
   }
   for (int j = 0; j < n; ++j) {
-    for (int i = 0; i < m; ++i) store(c_type, c, i + static_cast<int64_t>(j) * ldc, out[i + static_cast<size_t>(j) * m]);
+    for (int i = 0; i < m; ++i) store_element(c_type, c, at(i, j, ldc), out[at(i, j, m)]);
   }
   return kSuccess;
 }

@@ -17,13 +17,12 @@
 #include <utility>
 #include <vector>
 
-#include "cc/sparse24/dtype.h"
-#include "cc/sparse24/half.h"
+#include "tests/cuda_on_cpu/cuda_elements.h"
 
 namespace {
 
 constexpr int kSuccess = 0, kInvalidValue = 3, kNotSupported = 10;
-constexpr int kR32F = 0, kR16F = 2, kR16BF = 14;
+using cuda_on_cpu::kR32F;
 constexpr int kOpN = 0, kOpT = 1, kOrderCol = 1, kOrderRow = 2;
 constexpr uint32_t kMagic = 0x5e1f24a1, kDead = 0xdeadbeef;
 
@@ -60,22 +59,17 @@ T* as(void* p) {
 
 bool live(const void* p) { return p != nullptr && *static_cast<const uint32_t*>(p) == kMagic; }
 
-// Element (r, c) of a described matrix as float.
+// Element (r, c) of a described matrix, as float.
+int64_t index(const Mat& m, int64_t r, int64_t c) {
+  return m.order == kOrderRow ? r * m.ld + c : c * m.ld + r;
+}
+
 float load(const Mat& m, const void* data, int64_t r, int64_t c) {
-  const int64_t i = m.order == kOrderRow ? r * m.ld + c : c * m.ld + r;
-  if (m.type == kR32F) return static_cast<const float*>(data)[i];
-  const uint16_t h = static_cast<const uint16_t*>(data)[i];
-  return m.type == kR16BF ? sparse24::bf16_to_f32(h) : sparse24::f16_to_f32(h);
+  return cuda_on_cpu::load_element(m.type, data, index(m, r, c));
 }
 
 void store(const Mat& m, void* data, int64_t r, int64_t c, float v) {
-  const int64_t i = m.order == kOrderRow ? r * m.ld + c : c * m.ld + r;
-  if (m.type == kR32F) {
-    static_cast<float*>(data)[i] = v;
-  } else {
-    static_cast<uint16_t*>(data)[i] =
-        m.type == kR16BF ? sparse24::f32_to_bf16(v) : sparse24::f32_to_f16(v);
-  }
+  cuda_on_cpu::store_element(m.type, data, index(m, r, c), v);
 }
 
 // op(X) (r, c): the described matrix or its transpose.
@@ -94,7 +88,7 @@ int dense_init(const Mat& init, void* desc) {
   if (desc == nullptr || init.rows <= 0 || init.cols <= 0) return kInvalidValue;
   if (init.order != kOrderRow && init.order != kOrderCol) return kInvalidValue;
   if (init.ld < (init.order == kOrderRow ? init.cols : init.rows)) return kInvalidValue;
-  if (init.type != kR32F && init.type != kR16F && init.type != kR16BF) return kInvalidValue;
+  if (!cuda_on_cpu::known_type(init.type)) return kInvalidValue;
   *as<Mat>(desc) = init;
   return kSuccess;
 }

@@ -60,7 +60,7 @@ int sim_fingerprint_weight(const void* values, int64_t values_bytes, const uint8
 
 }  // extern "C"
 
-// --------------------------------------------------------------------------------------------------
+// -------------------------------------------------------------------------------------------------
 // gpu_matmul.h: the checked ops and SparseMatMul, with an allocator that counts its buffers and
 // refuses any above a limit (the tests' stand-in for TensorFlow's allocator running out).
 
@@ -79,7 +79,7 @@ struct Session {
                                    "emulated: no room for " + std::to_string(bytes) + " bytes"};
     }
     void* p = std::malloc(bytes);
-    if (p == nullptr) return sparse24::gpu::Status{sparse24::gpu::Status::kResourceExhausted, "malloc"};
+    if (p == nullptr) return sparse24::gpu::Status{sparse24::gpu::Status::kResourceExhausted, "malloc failed"};
     ++live_buffers;
     *out = sparse24::gpu::DeviceBuffer(p, [](void* q) {
       std::free(q);
