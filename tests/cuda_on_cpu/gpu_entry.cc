@@ -79,7 +79,9 @@ struct Session {
                                    "emulated: no room for " + std::to_string(bytes) + " bytes"};
     }
     void* p = std::malloc(bytes);
-    if (p == nullptr) return sparse24::gpu::Status{sparse24::gpu::Status::kResourceExhausted, "malloc failed"};
+    if (p == nullptr) {
+      return sparse24::gpu::Status{sparse24::gpu::Status::kResourceExhausted, "malloc failed"};
+    }
     ++live_buffers;
     *out = sparse24::gpu::DeviceBuffer(p, [](void* q) {
       std::free(q);
