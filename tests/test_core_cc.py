@@ -94,3 +94,24 @@ def test_cpu_isa_check_script_builds_with_setup_py_flags():
     assert sorted(script.library_sources()) == sorted(
         p for p in core_sources() if not p.endswith("core_test.cc")
     )
+
+
+def test_spmm_threads_under_tsan(tmp_path):
+    """spmm on 2 and 3 real threads (cc/sparse24/spmm_threads_test.cc) gives the single-thread
+    output bit for bit, with no data race ThreadSanitizer sees: units share a row block's panels,
+    packed by whichever unit needs them first."""
+    cxx = os.environ.get("CXX", "g++")
+    tsan = ["-fsanitize=thread", "-fno-omit-frame-pointer"]
+    sources = [p for p in core_sources() if not p.endswith("core_test.cc")]
+    sources += [os.path.join(CORE, f"spmm_{name}_test.cc") for name in ("ctypes", "threads")]
+    objects = compile_objects(sources, str(tmp_path), ["-O1", "-g", *tsan], cxx=cxx)
+    binary = str(tmp_path / "spmm_threads_test")
+    subprocess.run([cxx, *tsan, *objects, "-o", binary, "-lpthread"], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["TSAN_OPTIONS"] = "halt_on_error=1"
+    result = subprocess.run(
+        [binary], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "THREADS PASSED" in result.stdout, output[-6000:]
+    assert "ThreadSanitizer" not in output, output[-6000:]

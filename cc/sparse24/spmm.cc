@@ -1,6 +1,7 @@
-// SpMM dispatch: picks the kernel for the ISA and shape, prepares x once per call (float32 copy or
-// transposed panels; x is the activation, so this is not weight repacking), splits the output
-// columns over the caller's thread pool, and makes NaN/Inf in x propagate as in a dense matmul.
+// SpMM dispatch: picks the kernel for the ISA and shape, prepares x once per call (float32 copy, or
+// packed panels made as the work units first need them; x is the activation, so this is not weight
+// repacking), splits the output over the caller's thread pool, and makes NaN/Inf in x propagate as
+// in a dense matmul.
 #include "cc/sparse24/spmm.h"
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "cc/sparse24/format.h"
@@ -66,21 +68,18 @@ Plan make_plan(Isa isa, DType dtype, int64_t M, int64_t K, int64_t N) {
 // (at most 256 columns: 256 KiB at K = 512 in float32) stay in L2 while the panels of its row block
 // stream past, and each K block of a panel in L1 serves the whole tile. With few panels only the
 // columns are split (the plan's tile). With many panels (M = 2048) the tiles are wide and the rows
-// split too, rather than 16 narrow column tiles each streaming all of x^T from L3. A row block's
-// pack is at most kBlockPackBytes (or one panel's, if that is larger); when that splits the rows,
-// units run row-block major, so a block's pack stays in L3 while every column tile passes it
-// (instead of the whole pack, more than L3 holds, streaming from memory once per tile).
+// split too, rather than 16 narrow column tiles each streaming all of x^T from L3. Units run row
+// block major (consecutive units walk the column tiles of one row block), and a row block's pack
+// is made when its first unit starts (PanelPacks) and is at most kBlockPackBytes (or one panel's,
+// if that is larger), so it is still in L3 while every column tile passes it.
 struct Schedule {
   int64_t tile;        // output columns per unit
   int64_t block_rows;  // rows per unit (a multiple of kPanelRows, or M)
   int64_t col_tiles, row_blocks;
-  bool rows_major;     // consecutive units walk the column tiles of one row block
 
   // Unit u's first row and first column.
-  int64_t row(int64_t u) const {
-    return (rows_major ? u / col_tiles : u % row_blocks) * block_rows;
-  }
-  int64_t col(int64_t u) const { return (rows_major ? u % col_tiles : u / row_blocks) * tile; }
+  int64_t row(int64_t u) const { return u / col_tiles * block_rows; }
+  int64_t col(int64_t u) const { return u % col_tiles * tile; }
 };
 
 Schedule make_schedule(const Plan& plan, int64_t M, int64_t N) {
@@ -88,7 +87,7 @@ Schedule make_schedule(const Plan& plan, int64_t M, int64_t N) {
   constexpr int64_t kBlockPackBytes = int64_t{8} << 20;
   const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
   if (!plan.panel() || panels < kMinPanels) {
-    return {plan.tile, M, (N + plan.tile - 1) / plan.tile, 1, false};
+    return {plan.tile, M, (N + plan.tile - 1) / plan.tile, 1};
   }
   const int64_t tile = std::min<int64_t>(kWideTile, (N + 7) / 8 * 8);
   const int64_t col_tiles = (N + tile - 1) / tile;
@@ -97,8 +96,7 @@ Schedule make_schedule(const Plan& plan, int64_t M, int64_t N) {
       std::max<int64_t>(1, kBlockPackBytes / (kPanelRows * plan.row_words * sizeof(float)));
   const int64_t wanted_panels = (panels + wanted_blocks - 1) / wanted_blocks;
   const int64_t block_panels = std::min(wanted_panels, fitting_panels);
-  return {tile, block_panels * kPanelRows, col_tiles, (panels + block_panels - 1) / block_panels,
-          fitting_panels < wanted_panels};
+  return {tile, block_panels * kPanelRows, col_tiles, (panels + block_panels - 1) / block_panels};
 }
 
 bool is_nonfinite(DType dtype, const void* p, int64_t i) {
@@ -153,18 +151,44 @@ void convert_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_
   }
 }
 
-// Packs x^T panel by panel (the plan's pack rounds the tail panel's width to its registers).
-void pack_panels(const SpmmArgs& a, const Plan& plan, const ParallelFor& parallel_for, float* xt,
-                 uint8_t* bad) {
-  const int64_t panels = (a.M + kPanelRows - 1) / kPanelRows;
-  parallel_for(panels, kPanelRows * plan.row_words, [&](int64_t p0, int64_t p1) {
+// x's panels for the panel kernels, each packed by the first unit that needs it; units of the same
+// row block running at once share its panels' packing and wait for the rest. Packing all of x
+// before any unit ran left the early row blocks' packs in memory by the time their units read
+// them: one thread, bfloat16, useful GF/s 147 -> 178 at 2048x2048x512, 155 -> 190 at
+// 960x4096x1024. A panel is claimed by one thread and packed at once, so a waiting thread only
+// waits for packing in progress (never for a thread that is itself waiting).
+class PanelPacks {
+ public:
+  PanelPacks(const SpmmArgs& a, const Plan& plan, float* xt, uint8_t* bad)
+      : a_(a), plan_(plan), xt_(xt), bad_(bad),
+        state_(new std::atomic<uint8_t>[(a.M + kPanelRows - 1) / kPanelRows]()) {}
+
+  // Rows [m0, m0 + rows) are packed into xt (their NaN/Inf flags into bad) when this returns.
+  void ensure(int64_t m0, int64_t rows) {
+    const int64_t p0 = m0 / kPanelRows, p1 = (m0 + rows + kPanelRows - 1) / kPanelRows;
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t m0 = p * kPanelRows, rows = std::min(kPanelRows, a.M - m0);
-      plan.pack(a.dtype, static_cast<const char*>(a.x) + m0 * a.ldx * dtype_size(a.dtype), a.ldx,
-                rows, a.K, xt + m0 * plan.row_words, bad + m0);
+      uint8_t unpacked = kUnpacked;
+      if (state_[p].compare_exchange_strong(unpacked, kPacking, std::memory_order_relaxed)) {
+        const int64_t first = p * kPanelRows, count = std::min(kPanelRows, a_.M - first);
+        plan_.pack(a_.dtype,
+                   static_cast<const char*>(a_.x) + first * a_.ldx * dtype_size(a_.dtype), a_.ldx,
+                   count, a_.K, xt_ + first * plan_.row_words, bad_ + first);
+        state_[p].store(kPacked, std::memory_order_release);
+      }
     }
-  });
-}
+    for (int64_t p = p0; p < p1; ++p) {
+      while (state_[p].load(std::memory_order_acquire) != kPacked) std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr uint8_t kUnpacked = 0, kPacking = 1, kPacked = 2;
+  const SpmmArgs& a_;
+  const Plan& plan_;
+  float* xt_;
+  uint8_t* bad_;
+  std::unique_ptr<std::atomic<uint8_t>[]> state_;
+};
 
 // Float32 rows of x for the GEMV and scalar kernels (a converted copy unless x is float32).
 template <DType D>
@@ -264,8 +288,9 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
     w.x = static_cast<const float*>(a.x);
     w.ldx = a.ldx;
   }
+  std::optional<PanelPacks> packs;
   if (plan.panel()) {
-    pack_panels(a, plan, parallel_for, xt, bad.data());
+    packs.emplace(a, plan, xt, bad.data());
   } else if (a.dtype == DType::kFloat32) {
     prepare_rows<DType::kFloat32>(a, parallel_for, nullptr, bad.data());
   } else if (a.dtype == DType::kBFloat16) {
@@ -274,9 +299,9 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
     prepare_rows<DType::kFloat16>(a, parallel_for, rows.get(), bad.data());
   }
 
-  // Consecutive units reuse one tile's values (or one row block's pack: Schedule). Each task the
-  // pool runs takes units from a shared counter until none are left (not the block it was handed),
-  // so a thread slowed by other load on the machine takes fewer units instead of finishing last.
+  // Consecutive units reuse one row block's pack (Schedule). Each task the pool runs takes units
+  // from a shared counter until none are left (not the block it was handed), so a thread slowed by
+  // other load on the machine takes fewer units instead of finishing last.
   const Schedule s = make_schedule(plan, a.M, a.N);
   const int64_t units = s.col_tiles * s.row_blocks;
   const int64_t cost = s.tile * std::min(a.M, s.block_rows) * a.K / 8 + 1;
@@ -292,7 +317,10 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
       }
       SpmmWork part = w;
       part.M = std::min(a.M - m0, s.block_rows);
-      if (plan.panel()) part.xt = w.xt + m0 * plan.row_words;
+      if (plan.panel()) {
+        packs->ensure(m0, part.M);
+        part.xt = w.xt + m0 * plan.row_words;
+      }
       part.y = static_cast<char*>(a.y) + m0 * a.ldy * dtype_size(a.dtype);
       plan.kernel(part, n0, n1);
     }
