@@ -78,7 +78,8 @@ void verdict(bool ok, const std::string& what) {
   if (!ok) ++g_failures;
   out("  [%s] %s\n", ok ? "ok" : "FAIL", what.c_str());
 }
-// A check that cannot run here (cuSPARSELt not loaded): counted, and the run cannot pass.
+// A check that cannot run here (cuSPARSELt not loaded, no memory pools): counted, and the run
+// cannot pass.
 void skipped(const std::string& what) {
   ++g_skipped;
   out("  [skip] %s\n", what.c_str());
@@ -663,8 +664,7 @@ void check_tf_op_logic(DType t, cudaStream_t stream) {
   // spinning kernel): the not-ready event must not fail it, and its y must be right. Needs the
   // stream-ordered allocator: a cudaFree inside the first call would wait for the spin.
   if (!g_memory_pools) {
-    out("  [skip] not-ready fingerprint event: this device has no memory pools, %s\n",
-        shape.c_str());
+    skipped("not-ready fingerprint event: this device has no memory pools, " + shape);
   } else {
     spin_kernel<<<1, 1, 0, stream>>>(200);
     LAUNCH_OK();

@@ -4,14 +4,18 @@
 // (tests/test_gpu_on_cpu.py does both).
 //
 // Each CUDA thread of a block is a fiber (ucontext) with its own stack, and the blocks run one
-// after another. Every barrier (__syncthreads, __syncthreads_or, each warp shuffle) is a yield to
-// a round-robin scheduler: a round resumes every live thread once, so a thread passes its k-th
-// barrier only after every thread of the block has reached its k-th. That is a block-wide barrier
-// wherever all threads meet the same barriers in the same order, which CUDA requires of
-// __syncthreads and of full-warp shuffles (and every warp shuffle is then also a warp barrier).
-// __shared__ variables are function statics, shared by the threads of the one running block.
-// Device memory is host memory and a launch completes before launch() returns. Not modelled:
-// timing, coalescing, occupancy, or races a different interleaving would expose.
+// after another. Every barrier is made of yields to a scheduler (__syncthreads: 1,
+// __syncthreads_or: 3, a warp shuffle: 2), and a round of the scheduler resumes every live thread
+// once, so a thread passes its k-th yield only after every thread of the block has reached its
+// k-th. That is a block-wide barrier wherever all threads meet the same barriers in the same order,
+// which CUDA requires of __syncthreads and of full-warp shuffles, and which every kernel run here
+// does (a kernel whose warps met different kinds of barriers would fall out of step unnoticed).
+// Each round resumes the threads in another order (a fixed-seed shuffle), so a read that lacks its
+// barrier sees a writer's old value whichever thread reads. Stronger than a GPU: a warp shuffle is
+// also a barrier for the whole block here, so a missing __syncthreads between a shared-memory
+// write and a read that has a shuffle between them is not caught. __shared__ variables are
+// function statics, shared by the threads of the one running block. Device memory is host memory
+// and a launch completes before launch() returns. Not modelled: timing, coalescing, occupancy.
 #ifndef TF_SPARSE24_TESTS_CUDA_ON_CPU_H_
 #define TF_SPARSE24_TESTS_CUDA_ON_CPU_H_
 
@@ -25,6 +29,8 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <stdexcept>
 #include <vector>
 
@@ -93,6 +99,9 @@ void run(int grid, int block, const Body& body) {
   l.threads.resize(block);
   l.lanes.resize(block);
   for (Launch::Thread& t : l.threads) t.stack.reset(new char[Launch::kStackBytes]);
+  std::vector<int> order(block);
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937 rounds(20261201);  // the same interleavings every run
   current = &l;
   for (int b = 0; b < grid; ++b) {
     l.block = {static_cast<unsigned>(b)};
@@ -104,7 +113,8 @@ void run(int grid, int block, const Body& body) {
       t.done = false;
     }
     for (int live = block; live > 0;) {
-      for (int t = 0; t < block; ++t) {
+      std::shuffle(order.begin(), order.end(), rounds);
+      for (int t : order) {
         if (l.threads[t].done) continue;
         l.thread = {static_cast<unsigned>(t)};
         swapcontext(&l.scheduler, &l.threads[t].context);

@@ -6,10 +6,11 @@
 // orders, leading dimensions and operations, accumulating in float32.
 //
 // Strictness, to surface misuse as errors: uninitialised or destroyed descriptors, operands whose
-// shapes do not chain, a structured operand that is not 2:4 along k, a missing workspace,
-// dimensions that are not multiples of 16 (CUSPARSE_STATUS_NOT_SUPPORTED). FAKE_CUSPARSELT_REFUSE_M
-// = m makes plans with that many rows of op(A) unsupported; FAKE_CUSPARSELT_VERSION sets the
-// version code (default 700).
+// shapes do not chain, a structured operand that is not 2:4 along k, a plan whose A (order,
+// leading dimension, operation) is not the one the operand was compressed with, pointers not
+// 16-byte aligned, a missing workspace, dimensions that are not multiples of 16
+// (CUSPARSE_STATUS_NOT_SUPPORTED). FAKE_CUSPARSELT_REFUSE_M = m makes plans with that many rows of
+// op(A) unsupported; FAKE_CUSPARSELT_VERSION sets the version code (default 700).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -80,9 +81,24 @@ float load_op(const Mat& m, int op, const void* data, int64_t r, int64_t c) {
 int64_t op_rows(const Mat& m, int op) { return op == kOpN ? m.rows : m.cols; }
 int64_t op_cols(const Mat& m, int op) { return op == kOpN ? m.cols : m.rows; }
 
-// The compressed structured operand, per row i of op(A): for each group g of 4 along k its two
-// kept values as float32, then one byte per group of their positions (lo | hi << 2).
+// The compressed structured operand: a header saying how it was compressed (Matmul refuses a plan
+// whose A is described or operated on otherwise), then per row i of op(A): for each group g of 4
+// along k its two kept values as float32, then one byte per group of their positions (lo | hi << 2).
+struct Header {
+  uint32_t magic;
+  Mat a;
+  int op;
+};
+constexpr int64_t kHeaderBytes = 128;
+static_assert(sizeof(Header) <= kHeaderBytes, "header too large");
 constexpr int64_t kGroupBytes = 2 * sizeof(float) + 1;
+
+bool same(const Mat& x, const Mat& y) {
+  return x.rows == y.rows && x.cols == y.cols && x.ld == y.ld && x.type == y.type &&
+         x.order == y.order && x.structured == y.structured;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int dense_init(const Mat& init, void* desc) {
   if (desc == nullptr || init.rows <= 0 || init.cols <= 0) return kInvalidValue;
@@ -99,7 +115,15 @@ int matmul_run(const Plan* plan, const float* alpha, const void* a, const void* 
     return kInvalidValue;
   }
   const Matmul& mm = plan->matmul;
-  const auto* packed = static_cast<const unsigned char*>(a);
+  Header header;
+  std::memcpy(&header, a, sizeof(header));
+  if (header.magic != kMagic || !same(header.a, mm.a) || header.op != mm.op_a) {
+    return kInvalidValue;  // compressed for another description of A
+  }
+  if (!aligned16(a) || !aligned16(b) || !aligned16(d) || (c != nullptr && !aligned16(c))) {
+    return kInvalidValue;  // the descriptors promised 16-byte alignment
+  }
+  const auto* packed = static_cast<const unsigned char*>(a) + kHeaderBytes;
   const int64_t groups = mm.k / 4, row_bytes = groups * kGroupBytes;
   std::vector<float> column(mm.k);
   std::vector<float> out(mm.m * mm.n);
@@ -230,7 +254,7 @@ int cusparseLtSpMMACompressedSize2(const void* handle, const void* sparse, size_
     return kInvalidValue;
   }
   const Mat& a = *static_cast<const Mat*>(sparse);
-  *compressed = a.rows * a.cols / 4 * kGroupBytes;  // m x k either way round
+  *compressed = kHeaderBytes + a.rows * a.cols / 4 * kGroupBytes;  // m x k either way round
   *buffer = 256;
   return kSuccess;
 }
@@ -245,7 +269,9 @@ int cusparseLtSpMMACompress2(const void* handle, const void* sparse, int is_spar
   const Mat& a = *static_cast<const Mat*>(sparse);
   const int64_t m = op_rows(a, op), k = op_cols(a, op), groups = k / 4;
   if (k % 4) return kInvalidValue;
-  auto* out = static_cast<unsigned char*>(compressed);
+  const Header header{kMagic, a, op};
+  std::memcpy(compressed, &header, sizeof(header));
+  auto* out = static_cast<unsigned char*>(compressed) + kHeaderBytes;
   const int64_t row_bytes = groups * kGroupBytes;
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t g = 0; g < groups; ++g) {
