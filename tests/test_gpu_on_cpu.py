@@ -234,9 +234,10 @@ def check_meta(gpu, meta: np.ndarray, k: int) -> tuple[int, int]:
     return int(slots[0]), int(slots[1])
 
 
-def spmm(gpu, x, values, meta, k, fingerprint=None, expected=0, y=None) -> np.ndarray:
+def spmm(gpu, x, values, meta, k, fingerprint=None, expected=0) -> np.ndarray:
+    """spmm_simple_unless into a poisoned y (the plain SpMM when no fingerprint is given)."""
     m, n = x.shape[0], values.shape[0]
-    y = poisoned((m, n), x.dtype) if y is None else y
+    y = poisoned((m, n), x.dtype)
     call(gpu, "sim_spmm_simple_unless", DTYPES[x.dtype.type], ptr(x), ptr(values), ptr(meta), m,
          k, n, ptr(y), ptr(fingerprint), expected)  # fmt: skip
     return y
@@ -498,9 +499,9 @@ class Session:
     def __exit__(self, *exc):
         self.lib.sim_session_delete(self.handle)
 
-    def matmul(self, x, values, meta, k, y=None) -> tuple[int, str, np.ndarray]:
-        """(status code, message, y) of y = x @ W on this session."""
-        y = poisoned((x.shape[0], values.shape[0]), x.dtype) if y is None else y
+    def matmul(self, x, values, meta, k) -> tuple[int, str, np.ndarray]:
+        """(status code, message, y) of y = x @ W on this session (y poisoned first)."""
+        y = poisoned((x.shape[0], values.shape[0]), x.dtype)
         message = ctypes.create_string_buffer(4096)
         code = self.lib.sim_session_matmul(self.handle, DTYPES[x.dtype.type], ptr(x), ptr(values),
                                            ptr(meta), x.shape[0], k, values.shape[0], ptr(y),
