@@ -154,8 +154,8 @@ void convert_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_
 // x's panels for the panel kernels, each packed by the first unit that needs it; units of the same
 // row block running at once share its panels' packing and wait for the rest. Packing all of x
 // before any unit ran left the early row blocks' packs in memory by the time their units read
-// them: one thread, bfloat16, useful GF/s 147 -> 178 at 2048x2048x512, 155 -> 190 at
-// 960x4096x1024. A panel is claimed by one thread and packed at once, so a waiting thread only
+// them: one thread, bfloat16, 14.5 -> 12.1 ms at 2048x2048x512, 26.9 -> 22.8 ms at
+// 960x4096x1024 (docs/KERNELS.md). A panel is claimed by one thread and packed at once, so a waiting thread only
 // waits for packing in progress (never for a thread that is itself waiting).
 class PanelPacks {
  public:

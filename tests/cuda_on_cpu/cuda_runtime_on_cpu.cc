@@ -56,15 +56,23 @@ cudaError_t cudaGetDevice(int* device) {
   return cudaSuccess;
 }
 
-cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t) {
+cudaError_t cudaMemset(void* ptr, int value, size_t count) {
   std::memset(ptr, value, count);
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind,
-                            cudaStream_t) {
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t) {
+  return cudaMemset(ptr, value, count);
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
   std::memmove(dst, src, count);
   return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
+                            cudaStream_t) {
+  return cudaMemcpy(dst, src, count, kind);
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
@@ -129,16 +137,6 @@ cudaError_t cudaFree(void* ptr) {
 
 cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t) { return cudaMalloc(ptr, size); }
 cudaError_t cudaFreeAsync(void* ptr, cudaStream_t) { return cudaFree(ptr); }
-
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind) {
-  std::memmove(dst, src, count);
-  return cudaSuccess;
-}
-
-cudaError_t cudaMemset(void* ptr, int value, size_t count) {
-  std::memset(ptr, value, count);
-  return cudaSuccess;
-}
 
 cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 
