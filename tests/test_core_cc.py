@@ -26,6 +26,11 @@ def core_sources() -> list[str]:
     return [os.path.join(CORE, name) for name in names] + sorted(spmm)
 
 
+def library_sources() -> list[str]:
+    """core_sources() without the test program: what the op library builds of the core."""
+    return [p for p in core_sources() if not p.endswith("core_test.cc")]
+
+
 def _build_core_test(out, emulate_avx512: bool = False) -> str:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
@@ -91,9 +96,7 @@ def test_cpu_isa_check_script_builds_with_setup_py_flags():
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.isa_flags() == load_setup_module().ISA_FLAGS
-    assert sorted(script.library_sources()) == sorted(
-        p for p in core_sources() if not p.endswith("core_test.cc")
-    )
+    assert sorted(script.library_sources()) == sorted(library_sources())
 
 
 def test_spmm_threads_under_tsan(tmp_path):
@@ -102,8 +105,8 @@ def test_spmm_threads_under_tsan(tmp_path):
     packed by whichever unit needs them first."""
     cxx = os.environ.get("CXX", "g++")
     tsan = ["-fsanitize=thread", "-fno-omit-frame-pointer"]
-    sources = [p for p in core_sources() if not p.endswith("core_test.cc")]
-    sources += [os.path.join(CORE, f"spmm_{name}_test.cc") for name in ("ctypes", "threads")]
+    tests = [os.path.join(CORE, f"spmm_{name}_test.cc") for name in ("ctypes", "threads")]
+    sources = [*library_sources(), *tests]
     objects = compile_objects(sources, str(tmp_path), ["-O1", "-g", *tsan], cxx=cxx)
     binary = str(tmp_path / "spmm_threads_test")
     subprocess.run([cxx, *tsan, *objects, "-o", binary, "-lpthread"], check=True)
