@@ -33,6 +33,7 @@ struct Plan {
   spmm_internal::PanelPack pack;  // panel kernels: packs x (null: kernel reads float32 rows)
   int64_t tile;                   // output columns per parallel work unit
   int64_t row_words;              // panel kernels: words (floats) per row of x in the pack
+  int64_t panel_rows;             // panel kernels: rows of x per panel
   bool panel() const { return pack != nullptr; }
 };
 
@@ -44,37 +45,40 @@ Plan make_plan(Isa isa, DType dtype, int64_t M, int64_t K, int64_t N) {
     case Isa::kAvx512Bf16:
       if (M > kGemvMaxRows && dtype == DType::kBFloat16) {
         return {spmm_internal::spmm_pairs_avx512bf16, spmm_internal::pack_pairs_avx512bf16,
-                panel_tile, spmm_internal::pair_panel_words(K)};
+                panel_tile, spmm_internal::pair_panel_words(K),
+                spmm_internal::kPairPanelRows};
       }
       [[fallthrough]];  // float32 and float16, and GEMV shapes: the AVX-512 kernels
     case Isa::kAvx512:
       if (M > kGemvMaxRows) {
-        return {spmm_internal::spmm_panel_avx512, spmm_internal::pack_panel_avx512, panel_tile, K};
+        return {spmm_internal::spmm_panel_avx512, spmm_internal::pack_panel_avx512, panel_tile, K,
+                kPanelRows};
       }
-      return {spmm_internal::spmm_gemv_avx512, nullptr, 64, 0};
+      return {spmm_internal::spmm_gemv_avx512, nullptr, 64, 0, 0};
     case Isa::kAvx2:
       if (M > kGemvMaxRows) {
-        return {spmm_internal::spmm_panel_avx2, spmm_internal::pack_panel_avx2, panel_tile, K};
+        return {spmm_internal::spmm_panel_avx2, spmm_internal::pack_panel_avx2, panel_tile, K,
+                kPanelRows};
       }
-      return {spmm_internal::spmm_gemv_avx2, nullptr, 64, 0};
+      return {spmm_internal::spmm_gemv_avx2, nullptr, 64, 0, 0};
     case Isa::kAuto:
     case Isa::kScalar:
       break;
   }
-  return {spmm_internal::spmm_rows_scalar, nullptr, 16, 0};
+  return {spmm_internal::spmm_rows_scalar, nullptr, 16, 0, 0};
 }
 
 // Parallel work units: output column tiles times blocks of whole panels (rows). A tile's values
 // (at most 256 columns: 256 KiB at K = 512 in float32) stay in L2 while the panels of its row block
-// stream past, and each K block of a panel in L1 serves the whole tile. With few panels only the
-// columns are split (the plan's tile). With many panels (M = 2048) the tiles are wide and the rows
+// stream past, and each K block of a panel in L1 serves the whole tile. Up to 144 rows only the
+// columns are split (the plan's tile). With more (M = 2048) the tiles are wide and the rows
 // split too, rather than 16 narrow column tiles each streaming all of x^T from L3. Units run row
 // block major (consecutive units walk the column tiles of one row block), and a row block's pack
 // is made when its first unit starts (PanelPacks) and is at most kBlockPackBytes (or one panel's,
 // if that is larger), so it is still in L3 while every column tile passes it.
 struct Schedule {
   int64_t tile;        // output columns per unit
-  int64_t block_rows;  // rows per unit (a multiple of kPanelRows, or M)
+  int64_t block_rows;  // rows per unit (a multiple of the plan's panel rows, or M)
   int64_t col_tiles, row_blocks;
 
   // Unit u's first row and first column.
@@ -83,20 +87,21 @@ struct Schedule {
 };
 
 Schedule make_schedule(const Plan& plan, int64_t M, int64_t N) {
-  constexpr int64_t kMinUnits = 16, kWideTile = 256, kMinPanels = 4;
+  constexpr int64_t kMinUnits = 16, kWideTile = 256, kColumnsOnlyRows = 3 * kPanelRows;
   constexpr int64_t kBlockPackBytes = int64_t{8} << 20;
-  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
-  if (!plan.panel() || panels < kMinPanels) {
+  if (!plan.panel() || M <= kColumnsOnlyRows) {
     return {plan.tile, M, (N + plan.tile - 1) / plan.tile, 1};
   }
+  const int64_t panels = (M + plan.panel_rows - 1) / plan.panel_rows;
   const int64_t tile = std::min<int64_t>(kWideTile, (N + 7) / 8 * 8);
   const int64_t col_tiles = (N + tile - 1) / tile;
   const int64_t wanted_blocks = std::min(panels, (kMinUnits + col_tiles - 1) / col_tiles);
   const int64_t fitting_panels =
-      std::max<int64_t>(1, kBlockPackBytes / (kPanelRows * plan.row_words * sizeof(float)));
+      std::max<int64_t>(1, kBlockPackBytes / (plan.panel_rows * plan.row_words * sizeof(float)));
   const int64_t wanted_panels = (panels + wanted_blocks - 1) / wanted_blocks;
   const int64_t block_panels = std::min(wanted_panels, fitting_panels);
-  return {tile, block_panels * kPanelRows, col_tiles, (panels + block_panels - 1) / block_panels};
+  return {tile, block_panels * plan.panel_rows, col_tiles,
+          (panels + block_panels - 1) / block_panels};
 }
 
 bool is_nonfinite(DType dtype, const void* p, int64_t i) {
@@ -151,25 +156,26 @@ void convert_rows(const SpmmArgs& a, int64_t m0, int64_t m1, float* rows, uint8_
   }
 }
 
-// x's panels for the panel kernels, each packed by the first unit that needs it; units of the same
-// row block running at once share its panels' packing and wait for the rest. Packing all of x
-// before any unit ran left the early row blocks' packs in memory by the time their units read
-// them: one thread, bfloat16, 14.5 -> 12.1 ms at 2048x2048x512, 26.9 -> 22.8 ms at
-// 960x4096x1024 (docs/KERNELS.md). A panel is claimed by one thread and packed at once, so a waiting thread only
-// waits for packing in progress (never for a thread that is itself waiting).
+// x's panels for the panel kernels (plan.panel_rows rows each), each packed by the first unit that
+// needs it; units of the same row block running at once share its panels' packing and wait for the
+// rest. Packing all of x before any unit ran left the early row blocks' packs in memory by the time
+// their units read them: one thread, bfloat16, 14.5 -> 12.1 ms at 2048x2048x512, 26.9 -> 22.8 ms
+// at 960x4096x1024 (docs/KERNELS.md). A panel is claimed by one thread and packed at once, so a
+// waiting thread only waits for packing in progress (never for a thread that is itself waiting).
 class PanelPacks {
  public:
   PanelPacks(const SpmmArgs& a, const Plan& plan, float* xt, uint8_t* bad)
       : a_(a), plan_(plan), xt_(xt), bad_(bad),
-        state_(new std::atomic<uint8_t>[(a.M + kPanelRows - 1) / kPanelRows]()) {}
+        state_(new std::atomic<uint8_t>[(a.M + plan.panel_rows - 1) / plan.panel_rows]()) {}
 
   // Rows [m0, m0 + rows) are packed into xt (their NaN/Inf flags into bad) when this returns.
   void ensure(int64_t m0, int64_t rows) {
-    const int64_t p0 = m0 / kPanelRows, p1 = (m0 + rows + kPanelRows - 1) / kPanelRows;
+    const int64_t size = plan_.panel_rows;
+    const int64_t p0 = m0 / size, p1 = (m0 + rows + size - 1) / size;
     for (int64_t p = p0; p < p1; ++p) {
       uint8_t unpacked = kUnpacked;
       if (state_[p].compare_exchange_strong(unpacked, kPacking, std::memory_order_relaxed)) {
-        const int64_t first = p * kPanelRows, count = std::min(kPanelRows, a_.M - first);
+        const int64_t first = p * size, count = std::min(size, a_.M - first);
         plan_.pack(a_.dtype,
                    static_cast<const char*>(a_.x) + first * a_.ldx * dtype_size(a_.dtype), a_.ldx,
                    count, a_.K, xt_ + first * plan_.row_words, bad_ + first);
@@ -276,7 +282,7 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
   float* xt = nullptr;
   if (plan.panel()) {
     // 64-byte aligned: a panel row is whole cache lines, so no SIMD load of it splits a line.
-    pack_memory.emplace((a.M + kPanelRows) * plan.row_words + 16);
+    pack_memory.emplace((a.M + plan.panel_rows) * plan.row_words + 16);
     xt = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(pack_memory->data()) + 63) & ~uintptr_t{63});
     w.xt = xt;

@@ -17,6 +17,10 @@ namespace spmm_internal {
 // Rows of the panel layout: x^T is packed as [ceil(M / kPanelRows)][K][kPanelRows] float32,
 // rows past M zero, so a panel kernel reads kPanelRows consecutive floats per kept k.
 constexpr int64_t kPanelRows = 48;
+// Rows of the bfloat16 pair panels (spmm_panel_avx512bf16.cc): its kernel has registers to spare
+// at 48 rows, and at 96 each value broadcast and meta lookup serves twice the rows (single thread,
+// Zen 5: 2048x2048x512 11.4 -> 10.1 ms, 256x4096x4096 20.2 -> 18.6 ms).
+constexpr int64_t kPairPanelRows = 96;
 
 struct SpmmWork {
   DType dtype;              // of values and y
@@ -33,10 +37,10 @@ struct SpmmWork {
 // Computes y[0:M, n0:n1]. Thread-safe for disjoint column ranges.
 using SpmmKernel = void (*)(const SpmmWork& work, int64_t n0, int64_t n1);
 
-// Packs one panel, `rows` (<= kPanelRows) rows of x with row stride ldx elements of `dtype`,
-// transposed into xt [K][width] float32, width = rows rounded up to the ISA's registers (rows past
-// `rows` zero, xt 32-byte aligned), and sets bad[r] = row r holds NaN/Inf. One per panel ISA,
-// beside its kernel, which reads the panel at the same width.
+// Packs one panel, `rows` (at most the kernel's panel rows) rows of x with row stride ldx elements
+// of `dtype`, transposed into xt [K][width] float32, width = rows rounded up to the ISA's registers
+// (rows past `rows` zero, xt 32-byte aligned), and sets bad[r] = row r holds NaN/Inf. One per
+// panel ISA, beside its kernel, which reads the panel at the same width.
 using PanelPack = void (*)(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,
                            float* xt, uint8_t* bad);
 

@@ -106,20 +106,26 @@ struct ByteOffsets {
   }
 };
 
-// Groups per K block: the pair panel's block near 24 KiB of L1 (20 groups at width 48, 32 at 32, 64
-// at 16), even, so a block starts at a whole meta byte. Measured on Zen 5 (single thread): blocks
-// of 16 KiB 5-11% slower, 32 KiB 0-10% slower, a fixed 16 groups 5-30% slower.
-constexpr int64_t block_groups(int64_t width) { return 6144 / (kPairs * width) / 2 * 2; }
+// Accumulator sets for R registers per panel row: each set takes every S-th group, so R * S
+// vdpbf16ps chains are in flight. Four for narrow panels (2 ran up to 25% slower at width 16, 6 at
+// width 32 30% slower); two from R = 5 on, where four would take more than the 32 registers
+// (R = 6 with 4 sets: 3% slower than with 2). Measured on Zen 5, single thread.
+constexpr int sets_for(int R) { return R <= 4 ? 4 : 2; }
 
-// Accumulator sets: each takes every 4th group (R * 4 vdpbf16ps chains). Measured on Zen 5 (single
-// thread): 2 sets ran up to 25% slower at width 16; 6 at width 32 ran 30% slower.
-constexpr int kSets = 4;
+// Groups per K block: the pair panel's block near 24 KiB of L1 for the 4-set kernels (20 groups at
+// width 48, 32 at 32, 64 at 16), near 36 KiB for the 2-set ones (16 groups at width 96), even, so a
+// block starts at a whole meta byte. Measured on Zen 5 (single thread): at width 48, blocks of
+// 16 KiB 5-11% slower, 32 KiB 0-10% slower, a fixed 16 groups 5-30% slower; at width 96, 24 KiB
+// 3-4% slower, 48 KiB 1% slower.
+constexpr int64_t block_groups(int64_t width, int sets) {
+  return (sets == 2 ? 9216 : 6144) / (kPairs * width) / 2 * 2;
+}
 
 template <int R, int S>
 struct PairKernel {
   static constexpr int64_t kWidth = R * kLanes;
   static constexpr ByteOffsets kOffsets{kWidth};
-  static constexpr int64_t kBlockGroups = block_groups(kWidth);
+  static constexpr int64_t kBlockGroups = block_groups(kWidth, S);
   static constexpr int64_t kSuperGroups =
       std::max<int64_t>(1, panel::kSuperBlockWords / (kPairs * kWidth) / kBlockGroups) *
       kBlockGroups;
@@ -174,7 +180,7 @@ struct PairKernel {
                       int64_t n0, int64_t n1) {
     const int64_t half_k = w.K / 2, meta_row = (w.K + 7) / 8, groups = w.K / 4;
     const auto* values = static_cast<const uint16_t*>(w.values);
-    alignas(64) float sums[panel::kMaxCols * kWidth];
+    alignas(64) float sums[panel::kMaxCols * kWidth];  // 96 KiB of stack at width 96
     for (int64_t gs = 0; gs < groups; gs += kSuperGroups) {
       const int64_t ge = std::min(groups, gs + kSuperGroups);
       for (int64_t t0 = n0; t0 < n1; t0 += panel::kTileCols) {
@@ -219,15 +225,15 @@ struct PairKernel {
 };
 
 template <int R>
-using Pairs = PairKernel<R, kSets>;
+using Pairs = PairKernel<R, sets_for(R)>;
 
 int64_t panel_width(int64_t rows) { return panel::panel_regs(rows, kLanes) * kLanes; }
 
 }  // namespace
 
 void spmm_pairs_avx512bf16(const SpmmWork& w, int64_t n0, int64_t n1) {
-  panel::for_each_panel<Pairs, kLanes>(w, reinterpret_cast<const uint32_t*>(w.xt),
-                                       pair_panel_words(w.K), n0, n1);
+  panel::for_each_panel<Pairs, kLanes, kPairPanelRows>(
+      w, reinterpret_cast<const uint32_t*>(w.xt), pair_panel_words(w.K), n0, n1);
 }
 
 void pack_pairs_avx512bf16(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K,

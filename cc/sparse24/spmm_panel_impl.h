@@ -266,7 +266,8 @@ struct Microkernel {
     const int64_t half_k = w.K / 2, meta_row = (w.K + 7) / 8, k_block = k_block_for(kWidth);
     const int64_t k_super = std::max<int64_t>(1, kSuperBlockWords / kWidth / k_block) * k_block;
     // On the stack (48 KiB at width 48): a per-thread heap buffer instead ran 5-7% slower at
-    // M = 16-32 on Zen 5. Threads need a stack of ~96 KiB or more (TF's and Python's: 8 MiB).
+    // M = 16-32 on Zen 5. Threads need a stack of ~128 KiB or more (the bfloat16 pair kernel's
+    // sums alone take 96 KiB; TF's and Python's threads have 8 MiB).
     alignas(64) float sums[kMaxCols * kWidth];
     alignas(64) float vbuf[1024];  // widened values of one column's K block (k_block <= 2048)
     for (int64_t ks = 0; ks < w.K; ks += k_super) {
@@ -339,18 +340,18 @@ void tail_columns(int regs, const SpmmWork& w, const Word* x, int64_t m0, int64_
 }
 
 // All rows of y for columns [n0, n1), for both panel kernels (Microkernel and
-// spmm_panel_avx512bf16.cc's): Kernel<R>::columns on each panel of kPanelRows rows (R = registers
+// spmm_panel_avx512bf16.cc's): Kernel<R>::columns on each panel of kRows rows (R = registers
 // of kLanes rows), then on the tail panel (R: its rows rounded up to whole registers, the pack's
 // width), kMaxCols columns at a time. x: the pack, row_words words per row of x.
-template <template <int> class Kernel, int kLanes, class Word>
+template <template <int> class Kernel, int kLanes, int64_t kRows, class Word>
 void for_each_panel(const SpmmWork& w, const Word* x, int64_t row_words, int64_t n0, int64_t n1) {
-  static_assert(kPanelRows % kLanes == 0, "panel width must be whole registers");
-  constexpr int kFullR = kPanelRows / kLanes;
+  static_assert(kRows % kLanes == 0, "panel width must be whole registers");
+  constexpr int kFullR = kRows / kLanes;
   for (int64_t c0 = n0; c0 < n1; c0 += kMaxCols) {
     const int64_t c1 = std::min(n1, c0 + kMaxCols);
     int64_t m0 = 0;
-    for (; m0 + kPanelRows <= w.M; m0 += kPanelRows) {
-      Kernel<kFullR>::columns(w, x + m0 * row_words, m0, kPanelRows, c0, c1);
+    for (; m0 + kRows <= w.M; m0 += kRows) {
+      Kernel<kFullR>::columns(w, x + m0 * row_words, m0, kRows, c0, c1);
     }
     const int64_t rows = w.M - m0;
     if (rows == 0) continue;
@@ -368,7 +369,7 @@ struct MicrokernelOf {
 // All rows of y for columns [n0, n1) with the x^T panels of V's kernel.
 template <class V>
 void run_panels(const SpmmWork& w, int64_t n0, int64_t n1) {
-  for_each_panel<MicrokernelOf<V>::template Kernel, V::kLanes>(w, w.xt, w.K, n0, n1);
+  for_each_panel<MicrokernelOf<V>::template Kernel, V::kLanes, kPanelRows>(w, w.xt, w.K, n0, n1);
 }
 
 }  // namespace panel
