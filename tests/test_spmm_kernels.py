@@ -189,14 +189,14 @@ SHAPES = [  # (M, K, N): K % 8 == 4, K < one SIMD chunk, N=1, N off every regist
     (29, 40, 11),
     (33, 196, 31),
     (70, 516, 129),
-    (53, 164, 17),  # 48-row panels: one full panel + every tail width below
-    (88, 84, 40),  # 96-row bfloat16 pair panels: tails of 1-6 registers (5 to 88 rows)
+    (53, 164, 17),  # AVX2's 48-row panels: one full panel + a tail
+    (88, 84, 40),  # AVX-512's 96-row panels: tails of 1-6 registers (5 to 88 rows)
     (96, 260, 65),
     (150, 36, 20),  # > 144 rows: rows are split into blocks as well as columns into tiles
     (200, 68, 300),
     (1, 1028, 300),
     (53, 5124, 9),  # several K super-blocks (~160 KiB of packed x each) at every panel width
-    (166, 5124, 9),  # the same for the 2-set pair kernels (96 rows + a 70-row tail)
+    (166, 5124, 9),  # the same for AVX-512's 96-row panels (96 rows + a 70-row tail)
 ]
 
 
@@ -235,14 +235,14 @@ def test_strides_and_empty(kernel, dtype):
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512bf16"])
 def test_row_block_major_schedule(core, isa):
-    """An x pack over 8 MiB (12 panels of 48 rows, 0.75 MiB each, in float32; 6 panels of 96 rows,
-    2.3 MiB each, as bfloat16 pairs) with 16 column tiles: the rows are split into blocks, each
-    block's units run before the next block's. Native variants only (a 4.4 G multiply-add product,
-    too slow emulated)."""
+    """An x pack over 8 MiB (float32: 12 panels of 48 rows, 0.75 MiB each, for AVX2, 6 of 96 rows,
+    1.5 MiB each, for AVX-512; bfloat16 pairs: 6 of 96 rows, 2.3 MiB each) with 16 column tiles:
+    the rows are split into blocks, each block's units run before the next block's. Native variants
+    only (a 4.4 G multiply-add product, too slow emulated)."""
     if not _supported(core, isa):
         pytest.skip(f"this CPU cannot run {isa}")
     rng = np.random.default_rng(5)
-    m, k, n = 530, 4100, 4096  # blocks of 10 (float32) or 3 (bfloat16 pairs) panels
+    m, k, n = 530, 4100, 4096  # blocks of 10 (avx2), 5 (avx512) or 3 (bfloat16 pairs) panels
     for dtype in (np.float32, ml_dtypes.bfloat16):
         w = _random_2to4(rng, k, n, dtype)
         values, meta = fmt.compress(w)

@@ -20,7 +20,6 @@
 namespace sparse24 {
 namespace {
 
-using spmm_internal::kPanelRows;
 using spmm_internal::SpmmKernel;
 using spmm_internal::SpmmWork;
 
@@ -45,20 +44,19 @@ Plan make_plan(Isa isa, DType dtype, int64_t M, int64_t K, int64_t N) {
     case Isa::kAvx512Bf16:
       if (M > kGemvMaxRows && dtype == DType::kBFloat16) {
         return {spmm_internal::spmm_pairs_avx512bf16, spmm_internal::pack_pairs_avx512bf16,
-                panel_tile, spmm_internal::pair_panel_words(K),
-                spmm_internal::kPairPanelRows};
+                panel_tile, spmm_internal::pair_panel_words(K), spmm_internal::kPanelRowsAvx512};
       }
       [[fallthrough]];  // float32 and float16, and GEMV shapes: the AVX-512 kernels
     case Isa::kAvx512:
       if (M > kGemvMaxRows) {
         return {spmm_internal::spmm_panel_avx512, spmm_internal::pack_panel_avx512, panel_tile, K,
-                kPanelRows};
+                spmm_internal::kPanelRowsAvx512};
       }
       return {spmm_internal::spmm_gemv_avx512, nullptr, 64, 0, 0};
     case Isa::kAvx2:
       if (M > kGemvMaxRows) {
         return {spmm_internal::spmm_panel_avx2, spmm_internal::pack_panel_avx2, panel_tile, K,
-                kPanelRows};
+                spmm_internal::kPanelRowsAvx2};
       }
       return {spmm_internal::spmm_gemv_avx2, nullptr, 64, 0, 0};
     case Isa::kAuto:
@@ -87,7 +85,7 @@ struct Schedule {
 };
 
 Schedule make_schedule(const Plan& plan, int64_t M, int64_t N) {
-  constexpr int64_t kMinUnits = 16, kWideTile = 256, kColumnsOnlyRows = 3 * kPanelRows;
+  constexpr int64_t kMinUnits = 16, kWideTile = 256, kColumnsOnlyRows = 144;
   constexpr int64_t kBlockPackBytes = int64_t{8} << 20;
   if (!plan.panel() || M <= kColumnsOnlyRows) {
     return {plan.tile, M, (N + plan.tile - 1) / plan.tile, 1};

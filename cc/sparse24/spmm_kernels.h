@@ -14,13 +14,14 @@
 namespace sparse24 {
 namespace spmm_internal {
 
-// Rows of the panel layout: x^T is packed as [ceil(M / kPanelRows)][K][kPanelRows] float32,
-// rows past M zero, so a panel kernel reads kPanelRows consecutive floats per kept k.
-constexpr int64_t kPanelRows = 48;
-// Rows of the bfloat16 pair panels (spmm_panel_avx512bf16.cc): its kernel has registers to spare
-// at 48 rows, and at 96 each value broadcast and meta lookup serves twice the rows (single thread,
-// Zen 5: 2048x2048x512 11.4 -> 10.1 ms, 256x4096x4096 20.2 -> 18.6 ms).
-constexpr int64_t kPairPanelRows = 96;
+// Rows of x per panel of the panel kernels, 6 SIMD registers per panel row: 48 for AVX2 (8 float32
+// lanes), 96 for the AVX-512 float32 and bfloat16 pair kernels (16 lanes; 48 rows left them
+// registers to spare). At 96 rows each value broadcast and meta lookup serves twice the rows (Zen 5,
+// single thread: float32 2048x2048x512 16.5 -> 15.5 ms, 256x4096x4096 31.7 -> 28.7; bfloat16
+// 11.4 -> 10.1, 20.2 -> 18.6). Each pack lays a panel out as K-major rows of `width` words (the
+// panel's rows rounded up to whole registers, rows past M zero).
+constexpr int64_t kPanelRowsAvx2 = 48;
+constexpr int64_t kPanelRowsAvx512 = 96;
 
 struct SpmmWork {
   DType dtype;              // of values and y

@@ -29,7 +29,7 @@ struct Avx2 {
 }  // namespace
 
 void spmm_panel_avx2(const SpmmWork& work, int64_t n0, int64_t n1) {
-  panel::run_panels<Avx2>(work, n0, n1);
+  panel::run_panels<Avx2, kPanelRowsAvx2>(work, n0, n1);
 }
 
 void pack_panel_avx2(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,

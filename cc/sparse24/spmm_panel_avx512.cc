@@ -1,5 +1,5 @@
-// AVX-512 (F/BW/VL/DQ) instantiation of the panel SpMM kernel: 16 float32 lanes, a 48-row panel
-// is three zmm registers. Compiled everywhere, run only where CPUID reports AVX-512 (not on the
+// AVX-512 (F/BW/VL/DQ) instantiation of the panel SpMM kernel: 16 float32 lanes, a 96-row panel
+// is six zmm registers. Compiled everywhere, run only where CPUID reports AVX-512 (not on the
 // machine this was developed on; see docs/KERNELS.md).
 // GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on their own _mm512_undefined_*.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -33,7 +33,7 @@ struct Avx512 {
 }  // namespace
 
 void spmm_panel_avx512(const SpmmWork& work, int64_t n0, int64_t n1) {
-  panel::run_panels<Avx512>(work, n0, n1);
+  panel::run_panels<Avx512, kPanelRowsAvx512>(work, n0, n1);
 }
 
 void pack_panel_avx512(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,

@@ -232,7 +232,7 @@ int64_t panel_width(int64_t rows) { return panel::panel_regs(rows, kLanes) * kLa
 }  // namespace
 
 void spmm_pairs_avx512bf16(const SpmmWork& w, int64_t n0, int64_t n1) {
-  panel::for_each_panel<Pairs, kLanes, kPairPanelRows>(
+  panel::for_each_panel<Pairs, kLanes, kPanelRowsAvx512>(
       w, reinterpret_cast<const uint32_t*>(w.xt), pair_panel_words(w.K), n0, n1);
 }
 

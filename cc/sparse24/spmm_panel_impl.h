@@ -2,7 +2,7 @@
 // (spmm_panel_avx2.cc, spmm_panel_avx512.cc), and the x^T pack it reads. Include only from those
 // files.
 //
-// x^T is packed in panels of kPanelRows rows: [K][width] floats, so the rows of one panel for one k
+// x^T is packed in panels of 48 (AVX2) or 96 (AVX-512) rows: [K][width] floats, so the rows of one panel for one k
 // are `width` consecutive floats. For each output column n and each kept element (k, value) of
 // column n, the kernel broadcasts the value and FMAs it with the panel row at k (address from the
 // 2-bit meta): loads and FMAs only, no shuffles, on the useful half of the multiply-adds. The K
@@ -315,14 +315,14 @@ struct Microkernel {
   }
 };
 
-// Registers of `lanes` rows per panel row for a panel of `rows` (<= kPanelRows) rows: the tail
+// Registers of `lanes` rows per panel row for a panel of `rows` (at most the panel's) rows: the tail
 // panel's width is rounded up to whole registers, and the packs zero-fill the rows past M. The
 // packs and for_each_panel take the width from here.
 constexpr int panel_regs(int64_t rows, int64_t lanes) {
   return static_cast<int>((rows + lanes - 1) / lanes);
 }
 
-// One panel of x (`rows` <= kPanelRows rows) packed for the kernel of V: see pack_transposed.
+// One panel of x (`rows` at most the panel's rows) packed for the kernel of V: see pack_transposed.
 template <class V>
 void pack_panel(DType dtype, const void* x, int64_t ldx, int64_t rows, int64_t K, float* xt,
                 uint8_t* bad) {
@@ -366,10 +366,10 @@ struct MicrokernelOf {
   using Kernel = Microkernel<V, R>;
 };
 
-// All rows of y for columns [n0, n1) with the x^T panels of V's kernel.
-template <class V>
+// All rows of y for columns [n0, n1) with the x^T panels of V's kernel, kRows rows each.
+template <class V, int64_t kRows>
 void run_panels(const SpmmWork& w, int64_t n0, int64_t n1) {
-  for_each_panel<MicrokernelOf<V>::template Kernel, V::kLanes, kPanelRows>(w, w.xt, w.K, n0, n1);
+  for_each_panel<MicrokernelOf<V>::template Kernel, V::kLanes, kRows>(w, w.xt, w.K, n0, n1);
 }
 
 }  // namespace panel

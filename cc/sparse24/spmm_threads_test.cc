@@ -22,9 +22,10 @@ int main() {
   std::mt19937 rng(1);
   const uint8_t nibbles[6] = {0x4, 0x8, 0xc, 0x9, 0xd, 0xe};  // the valid position pairs
   struct Shape { int64_t m, k, n; };
-  // Units (make_schedule's row blocks x column tiles, 48-row panels): 12 panels in 1 block x 16
-  // tiles; 43 panels in 15 blocks x 1 tile; 21 panels in 6 blocks x 3 tiles; 7 panels in 7 blocks
-  // x 2 tiles (K % 8 == 4); 5 panels in 5 blocks x 1 tile.
+  // Units (make_schedule's row blocks x column tiles), with AVX2's 48-row panels: 12 panels in 1
+  // block x 16 tiles; 43 panels in 15 blocks x 1 tile; 21 panels in 6 blocks x 3 tiles; 7 panels
+  // in 7 blocks x 2 tiles (K % 8 == 4); 5 panels in 5 blocks x 1 tile. With AVX-512's 96-row
+  // panels: 6 in 1 x 16; 22 in 11 x 1; 11 in 6 x 3; 4 in 4 x 2; 3 in 3 x 1.
   const Shape shapes[] = {
       {530, 64, 4096}, {2048, 128, 96}, {1000, 256, 520}, {300, 44, 300}, {200, 40, 7}};
   int checked = 0;
