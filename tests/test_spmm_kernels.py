@@ -195,8 +195,8 @@ SHAPES = [  # (M, K, N): K % 8 == 4, K < one SIMD chunk, N=1, N off every regist
     (150, 36, 20),  # > 144 rows: rows are split into blocks as well as columns into tiles
     (200, 68, 300),
     (1, 1028, 300),
-    (53, 5124, 9),  # several K super-blocks (~160 KiB of packed x each) at every panel width
-    (166, 5124, 9),  # the same for AVX-512's 96-row panels (96 rows + a 70-row tail)
+    (53, 5124, 9),  # long K: dozens of K blocks, partial sums carried across them
+    (166, 5124, 9),  # the same on AVX-512's 96-row panels (96 rows + a 70-row tail)
 ]
 
 

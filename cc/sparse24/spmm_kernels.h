@@ -16,10 +16,10 @@ namespace spmm_internal {
 
 // Rows of x per panel of the panel kernels, 6 SIMD registers per panel row: 48 for AVX2 (8 float32
 // lanes), 96 for the AVX-512 float32 and bfloat16 pair kernels (16 lanes; 48 rows left them
-// registers to spare). At 96 rows each value broadcast and meta lookup serves twice the rows (Zen 5,
-// single thread: float32 2048x2048x512 16.5 -> 15.5 ms, 256x4096x4096 31.7 -> 28.7; bfloat16
-// 11.4 -> 10.1, 20.2 -> 18.6). Each pack lays a panel out as K-major rows of `width` words (the
-// panel's rows rounded up to whole registers, rows past M zero).
+// registers to spare). At 96 rows each value broadcast and meta lookup serves twice the rows
+// (Zen 5, single thread: float32 2048x2048x512 16.5 -> 15.5 ms, 256x4096x4096 31.7 -> 28.7;
+// bfloat16 11.4 -> 10.1, 20.2 -> 18.6). Each pack lays a panel out as K-major rows of `width`
+// words (the panel's rows rounded up to whole registers, rows past M zero).
 constexpr int64_t kPanelRowsAvx2 = 48;
 constexpr int64_t kPanelRowsAvx512 = 96;
 

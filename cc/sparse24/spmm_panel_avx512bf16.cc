@@ -126,9 +126,6 @@ struct PairKernel {
   static constexpr int64_t kWidth = R * kLanes;
   static constexpr ByteOffsets kOffsets{kWidth};
   static constexpr int64_t kBlockGroups = block_groups(kWidth, S);
-  static constexpr int64_t kSuperGroups =
-      std::max<int64_t>(1, panel::kSuperBlockWords / (kPairs * kWidth) / kBlockGroups) *
-      kBlockGroups;
   static_assert(S % 2 == 0, "accumulator sets are taken two groups (one meta byte) at a time");
 
   // acc += the x pairs of R registers at xr times the value pair at vals.
@@ -170,57 +167,44 @@ struct PairKernel {
     if (groups & 1) byte(xg, vals, meta, kOffsets.of, bytes, 0, false, acc);
   }
 
-  // One panel (rows m0 .. m0 + rows) times columns [n0, n1) (at most kMaxCols), written to y.
-  // K runs in super-blocks of kSuperGroups, as in spmm_panel_impl.h's kernel: a super-block's pair
-  // rows (about 160 KiB) stay in L2 while every column tile passes them, instead of a whole
-  // panel's (1.2 MiB at K = 4096, more than L2 holds beside the tile's values) being read again
-  // for each tile (bfloat16 2048x2048x512: 0.61 -> 0.69 of oneDNN). The partial sums of all the
-  // columns (at most kMaxCols) live in `sums` between super-blocks.
+  // One panel (rows m0 .. m0 + rows) times columns [n0, n1) (at most kMaxCols), written to y:
+  // each K block of pair rows, in L1, serves all the columns before the next, as in
+  // spmm_panel_impl.h's kernel; the columns' partial sums live in `sums` between blocks.
   static void columns(const SpmmWork& w, const uint32_t* xp, int64_t m0, int64_t rows,
                       int64_t n0, int64_t n1) {
     const int64_t half_k = w.K / 2, meta_row = (w.K + 7) / 8, groups = w.K / 4;
     const auto* values = static_cast<const uint16_t*>(w.values);
     alignas(64) float sums[panel::kMaxCols * kWidth];  // 96 KiB of stack at width 96
-    for (int64_t gs = 0; gs < groups; gs += kSuperGroups) {
-      const int64_t ge = std::min(groups, gs + kSuperGroups);
-      for (int64_t t0 = n0; t0 < n1; t0 += panel::kTileCols) {
-        const int64_t t1 = std::min(n1, t0 + panel::kTileCols);
-        for (int64_t gb = gs; gb < ge; gb += kBlockGroups) {
-          const int64_t count = std::min(ge - gb, kBlockGroups);
-          const uint32_t* xg = xp + gb * kPairs * kWidth;
-          for (int64_t n = t0; n < t1; ++n) {
-            __m512 acc[S][R];
-            float* sum = sums + (n - n0) * kWidth;
-            for (int s = 0; s < S; ++s) {
-              for (int r = 0; r < R; ++r) {
-                acc[s][r] = (s == 0 && gb > 0) ? _mm512_loadu_ps(sum + r * kLanes)
-                                               : _mm512_setzero_ps();
-              }
-            }
-            const uint16_t* vals = values + n * half_k + 2 * gb;
-            if (n + panel::kPrefetchCols < t1) {
-              const char* next =
-                  reinterpret_cast<const char*>(vals + panel::kPrefetchCols * half_k);
-              for (int64_t i = 0; i < 4 * count; i += 64) __builtin_prefetch(next + i);
-            }
-            const uint8_t* meta = w.meta + n * meta_row + gb / 2;
-            if (count == kBlockGroups) {
-              run(xg, vals, meta, kBlockGroups, acc);
-            } else {
-              run(xg, vals, meta, count, acc);
-            }
-            for (int r = 0; r < R; ++r) {
-              for (int s = 1; s < S; ++s) acc[0][r] = _mm512_add_ps(acc[0][r], acc[s][r]);
-              _mm512_storeu_ps(sum + r * kLanes, acc[0][r]);
-            }
+    for (int64_t gb = 0; gb < groups; gb += kBlockGroups) {
+      const int64_t count = std::min(groups - gb, kBlockGroups);
+      const uint32_t* xg = xp + gb * kPairs * kWidth;
+      for (int64_t n = n0; n < n1; ++n) {
+        __m512 acc[S][R];
+        float* sum = sums + (n - n0) * kWidth;
+        for (int s = 0; s < S; ++s) {
+          for (int r = 0; r < R; ++r) {
+            acc[s][r] = (s == 0 && gb > 0) ? _mm512_loadu_ps(sum + r * kLanes)
+                                           : _mm512_setzero_ps();
           }
+        }
+        const uint16_t* vals = values + n * half_k + 2 * gb;
+        if (n + panel::kPrefetchCols < n1) {
+          const char* next = reinterpret_cast<const char*>(vals + panel::kPrefetchCols * half_k);
+          for (int64_t i = 0; i < 4 * count; i += 64) __builtin_prefetch(next + i);
+        }
+        const uint8_t* meta = w.meta + n * meta_row + gb / 2;
+        if (count == kBlockGroups) {
+          run(xg, vals, meta, kBlockGroups, acc);
+        } else {
+          run(xg, vals, meta, count, acc);
+        }
+        for (int r = 0; r < R; ++r) {
+          for (int s = 1; s < S; ++s) acc[0][r] = _mm512_add_ps(acc[0][r], acc[s][r]);
+          _mm512_storeu_ps(sum + r * kLanes, acc[0][r]);
         }
       }
     }
-    for (int64_t t0 = n0; t0 < n1; t0 += panel::kTileCols) {
-      const int64_t t1 = std::min(n1, t0 + panel::kTileCols);
-      panel::store_tile(w, kWidth, sums + (t0 - n0) * kWidth, m0, rows, t0, t1);
-    }
+    panel::store_tile(w, kWidth, sums, m0, rows, n0, n1);
   }
 };
 

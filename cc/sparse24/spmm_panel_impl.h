@@ -2,14 +2,13 @@
 // (spmm_panel_avx2.cc, spmm_panel_avx512.cc), and the x^T pack it reads. Include only from those
 // files.
 //
-// x^T is packed in panels of 48 (AVX2) or 96 (AVX-512) rows: [K][width] floats, so the rows of one panel for one k
-// are `width` consecutive floats. For each output column n and each kept element (k, value) of
-// column n, the kernel broadcasts the value and FMAs it with the panel row at k (address from the
-// 2-bit meta): loads and FMAs only, no shuffles, on the useful half of the multiply-adds. The K
-// loop is blocked twice: super-blocks of ~160 KiB of x^T stay in L2 while every column tile of the
-// call passes them, and within a tile, blocks of k_block rows stay in L1 while the tile's columns
-// stream their values; the partial sums of all the call's columns (at most kMaxCols) live in a
-// stack buffer between blocks. See docs/KERNELS.md.
+// x^T is packed in panels of 48 (AVX2) or 96 (AVX-512) rows: [K][width] floats, so the rows of one
+// panel for one k are `width` consecutive floats. For each output column n and each kept element
+// (k, value) of column n, the kernel broadcasts the value and FMAs it with the panel row at k
+// (address from the 2-bit meta): loads and FMAs only, no shuffles, on the useful half of the
+// multiply-adds. K runs in blocks of k_block rows that stay in L1 while all the call's columns (at
+// most kMaxCols) stream their values; the columns' partial sums live in a stack buffer between
+// blocks. See docs/KERNELS.md.
 #ifndef TF_SPARSE24_CC_SPARSE24_SPMM_PANEL_IMPL_H_
 #define TF_SPARSE24_CC_SPARSE24_SPMM_PANEL_IMPL_H_
 
@@ -24,10 +23,8 @@ namespace sparse24 {
 namespace spmm_internal {
 namespace panel {
 
-constexpr int64_t kTileCols = 64;     // columns of a tile: one K block of packed x serves them
 constexpr int64_t kMaxCols = 256;     // columns a panel keeps partial sums of across K (the
                                       // schedule's widest column tile)
-constexpr int64_t kSuperBlockWords = 40960;  // packed x per K super-block: 160 KiB, in L2
 constexpr int64_t kPrefetchCols = 4;  // how far ahead a column's values are prefetched
 
 // The plain functions here have internal linkage (static): each ISA's translation unit keeps its
@@ -257,66 +254,57 @@ struct Microkernel {
   }
 
   // One panel (rows m0 .. m0 + rows) times columns [n0, n1) (at most kMaxCols), written to y.
-  // K runs in super-blocks of about 160 KiB of x^T, each passed by every column tile before the
-  // next, so it stays in L2 (a whole panel is 768 KiB at K = 4096 in float32, more than L2 holds
-  // beside the tiles' values; 3-9% faster on Zen 5); the partial sums of all the columns live in
-  // `sums` between super-blocks. spmm_panel_avx512bf16.cc's kernel walks K the same way.
+  // Each K block of x^T, in L1, serves all the columns before the next block; the columns' partial
+  // sums live in `sums` (L2) between blocks. spmm_panel_avx512bf16.cc's kernel walks K the same
+  // way. (Until 2026-12-01 a block served tiles of 64 columns, K in super-blocks of ~160 KiB kept
+  // in L2 while the tiles passed; one block for all columns is 2-17% faster on Zen 5, every ISA.)
   static void columns(const SpmmWork& w, const float* xt, int64_t m0, int64_t rows, int64_t n0,
                       int64_t n1) {
     const int64_t half_k = w.K / 2, meta_row = (w.K + 7) / 8, k_block = k_block_for(kWidth);
-    const int64_t k_super = std::max<int64_t>(1, kSuperBlockWords / kWidth / k_block) * k_block;
     // On the stack (48 KiB at width 48): a per-thread heap buffer instead ran 5-7% slower at
-    // M = 16-32 on Zen 5. Threads need a stack of ~128 KiB or more (the bfloat16 pair kernel's
-    // sums alone take 96 KiB; TF's and Python's threads have 8 MiB).
+    // M = 16-32 on Zen 5. Threads need a stack of ~128 KiB or more (at width 96 the sums alone take
+    // 96 KiB; TF's and Python's threads have 8 MiB).
     alignas(64) float sums[kMaxCols * kWidth];
     alignas(64) float vbuf[1024];  // widened values of one column's K block (k_block <= 2048)
-    for (int64_t ks = 0; ks < w.K; ks += k_super) {
-      const int64_t ke = std::min(w.K, ks + k_super);
-      for (int64_t t0 = n0; t0 < n1; t0 += kTileCols) {
-        const int64_t t1 = std::min(n1, t0 + kTileCols);
-        for (int64_t kb = ks; kb < ke; kb += k_block) {
-          const int64_t groups = (std::min(ke, kb + k_block) - kb) / 4;
-          const float* xk = xt + kb * kWidth;
-          for (int64_t n = t0; n < t1; ++n) {
-            typename V::reg acc[S][R];
-            float* sum = sums + (n - n0) * kWidth;
-            for (int s = 0; s < S; ++s) {
-              for (int r = 0; r < R; ++r) {
-                acc[s][r] = (s == 0 && kb > 0) ? V::load(sum + r * V::kLanes) : V::zero();
-              }
-            }
-            const int64_t v0 = n * half_k + kb / 2;
-            if (n + kPrefetchCols < t1) prefetch_column(w, v0 + kPrefetchCols * half_k, groups,
-                                                        n + kPrefetchCols, meta_row, kb);
-            const float* vals;
-            if (w.dtype == DType::kFloat32) {
-              vals = static_cast<const float*>(w.values) + v0;
-            } else {
-              const int64_t count = 2 * groups;
-              int64_t i = 0;
-              for (; i + V::kLanes <= count; i += V::kLanes) {
-                V::widen(w.dtype, w.values, v0 + i, vbuf + i);
-              }
-              for (; i < count; ++i) vbuf[i] = load_f32(w.dtype, w.values, v0 + i);
-              vals = vbuf;
-            }
-            run(xk, vals, w.meta + n * meta_row + kb / 8, groups, acc);
-            for (int r = 0; r < R; ++r) {
-              for (int s = 1; s < S; ++s) acc[0][r] = V::add(acc[0][r], acc[s][r]);
-              V::store(sum + r * V::kLanes, acc[0][r]);
-            }
+    for (int64_t kb = 0; kb < w.K; kb += k_block) {
+      const int64_t groups = (std::min(w.K, kb + k_block) - kb) / 4;
+      const float* xk = xt + kb * kWidth;
+      for (int64_t n = n0; n < n1; ++n) {
+        typename V::reg acc[S][R];
+        float* sum = sums + (n - n0) * kWidth;
+        for (int s = 0; s < S; ++s) {
+          for (int r = 0; r < R; ++r) {
+            acc[s][r] = (s == 0 && kb > 0) ? V::load(sum + r * V::kLanes) : V::zero();
           }
+        }
+        const int64_t v0 = n * half_k + kb / 2;
+        if (n + kPrefetchCols < n1) prefetch_column(w, v0 + kPrefetchCols * half_k, groups,
+                                                    n + kPrefetchCols, meta_row, kb);
+        const float* vals;
+        if (w.dtype == DType::kFloat32) {
+          vals = static_cast<const float*>(w.values) + v0;
+        } else {
+          const int64_t count = 2 * groups;
+          int64_t i = 0;
+          for (; i + V::kLanes <= count; i += V::kLanes) {
+            V::widen(w.dtype, w.values, v0 + i, vbuf + i);
+          }
+          for (; i < count; ++i) vbuf[i] = load_f32(w.dtype, w.values, v0 + i);
+          vals = vbuf;
+        }
+        run(xk, vals, w.meta + n * meta_row + kb / 8, groups, acc);
+        for (int r = 0; r < R; ++r) {
+          for (int s = 1; s < S; ++s) acc[0][r] = V::add(acc[0][r], acc[s][r]);
+          V::store(sum + r * V::kLanes, acc[0][r]);
         }
       }
     }
-    for (int64_t t0 = n0; t0 < n1; t0 += kTileCols) {
-      store_tile(w, kWidth, sums + (t0 - n0) * kWidth, m0, rows, t0, std::min(n1, t0 + kTileCols));
-    }
+    store_tile(w, kWidth, sums, m0, rows, n0, n1);
   }
 };
 
-// Registers of `lanes` rows per panel row for a panel of `rows` (at most the panel's) rows: the tail
-// panel's width is rounded up to whole registers, and the packs zero-fill the rows past M. The
+// Registers of `lanes` rows per panel row for a panel of `rows` (at most the panel's) rows: the
+// tail panel's width is rounded up to whole registers, and the packs zero-fill the rows past M. The
 // packs and for_each_panel take the width from here.
 constexpr int panel_regs(int64_t rows, int64_t lanes) {
   return static_cast<int>((rows + lanes - 1) / lanes);
