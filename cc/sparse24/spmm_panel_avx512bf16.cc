@@ -116,7 +116,7 @@ constexpr int sets_for(int R) { return R <= 4 ? 4 : 2; }
 // width 48, 32 at 32, 64 at 16), near 36 KiB for the 2-set ones (16 groups at width 96), even, so a
 // block starts at a whole meta byte. Measured on Zen 5 (single thread): at width 48, blocks of
 // 16 KiB 5-11% slower, 32 KiB 0-10% slower, a fixed 16 groups 5-30% slower; at width 96, 24 KiB
-// 3-4% slower, 48 KiB 1% slower.
+// 3-4% slower, 48 KiB 1% slower (12 or 20 groups within 1% once a block served all columns).
 constexpr int64_t block_groups(int64_t width, int sets) {
   return (sets == 2 ? 9216 : 6144) / (kPairs * width) / 2 * 2;
 }
