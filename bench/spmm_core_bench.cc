@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
     const int64_t parts = std::min<int64_t>(threads, total);
     std::vector<std::thread> others;
     for (int64_t p = 1; p < parts; ++p) {
-      others.emplace_back([&fn, p, parts, total] { fn(total * p / parts, total * (p + 1) / parts); });
+      others.emplace_back(
+          [&fn, p, parts, total] { fn(total * p / parts, total * (p + 1) / parts); });
     }
     if (parts > 0) fn(0, total / parts);
     for (std::thread& t : others) t.join();
