@@ -1,7 +1,8 @@
 // Microbenchmark of sparse24::spmm: one thread by default, timed in thread CPU time (other load
 // on the machine skews it less than wall time); with threads > 1, the work units are shared by that
-// many std::threads, as TF's pool shares them, and timed in wall time. Not part of the op library
-// or the tests.
+// many std::threads, as TF's pool shares them, and timed in wall time. Unlike TF's pool, the
+// threads are started for each call, and their start (tens of microseconds) is in the time. Not
+// part of the op library or the tests.
 //   g++ -std=c++17 -O3 -I. bench/spmm_core_bench.cc cc/sparse24/spmm*.cc (minus *_test.cc)
 //       cc/sparse24/cpu_features.cc cc/sparse24/format.cc -lpthread, each *_avx2.cc, *_avx512.cc
 //       and *_avx512bf16.cc with its ISA flags from setup.py
