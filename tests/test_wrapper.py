@@ -1,5 +1,7 @@
 """The Sparse24 wrapper: masked forward, zero gradients, every supported layer, round trips."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -422,6 +424,75 @@ def test_constraints_hold_for_the_effective_weight():
     np.testing.assert_allclose(np.linalg.norm(effective, axis=0), 1.0, rtol=1e-5)
     pruned = pw.mask.numpy() == 0
     np.testing.assert_array_equal(pw.variable.numpy()[pruned], before[pruned])
+
+
+REMAT_SCOPES = {
+    "full": {"mode": "full"},
+    "larger_than": {"mode": "larger_than", "output_size_threshold": 1},
+    "list_of_layers": {"mode": "list_of_layers", "layer_names": ["conv", "sparse24_conv"]},
+    "activations": {"mode": "activations"},
+}
+
+
+@pytest.mark.parametrize("scope", sorted(REMAT_SCOPES))
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_layers_made_under_a_remat_scope_train_their_kept_weights(scope, graph):
+    """Keras recomputes a layer's call made under a RematScope with tf.recompute_grad, which gave
+    a wrapped kernel no gradient at all: the wrapper turns that off (once, with a warning) and the
+    gradient is a plain layer's on the effective weight, masked. Recomputed activations are kept."""
+    with keras.RematScope(**REMAT_SCOPES[scope]):
+        wrapper = Sparse24(keras.layers.Conv2D(4, 3, activation="relu", name="conv"))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        wrapper(IMG)
+    wrapper.update_masks()
+    (pw,) = wrapper.pruned_weights
+    plain = keras.layers.Conv2D(4, 3, activation="relu")
+    plain(IMG)
+    plain.set_weights([np.asarray(wrapper.effective_weight(pw)), wrapper.layer.bias.numpy()])
+
+    def grad(layer, variable):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(layer(IMG)))
+        return tape.gradient(loss, variable)
+
+    def wrapper_grad():
+        return grad(wrapper, pw.variable)
+
+    run = tf.function(wrapper_grad) if graph else wrapper_grad
+    with warnings.catch_warnings(record=True) as said_later:
+        warnings.simplefilter("always")
+        got = [run() for _ in range(2)]
+    expected = np.asarray(grad(plain, plain.kernel)) * pw.mask.numpy()
+    for g in got:
+        assert g is not None
+        np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-5, atol=1e-6)
+    assert np.count_nonzero(expected) > 0
+    dropped = [w for w in said + said_later if "RematScope does not rematerialize" in str(w)]
+    assert len(dropped) == (scope != "activations")  # once
+
+
+def test_a_layer_that_assigns_its_own_kernel_keeps_the_pruned_positions():
+    """SpectralNormalization assigns kernel / sigma in a training call. Made from the masked
+    kernel, that value is zero at the pruned positions: only the kept ones may take it, or a later
+    mask recomputation could never bring the others back."""
+    keras.utils.set_random_seed(0)
+    x = SEQ[:, 0]
+    wrapper = Sparse24(keras.layers.SpectralNormalization(keras.layers.Dense(8)),
+                       weights={"kernel": 0})  # as prune() finds it
+    wrapper(x)
+    wrapper.update_masks()
+    (pw,) = wrapper.pruned_weights
+    before, kept = pw.variable.numpy().copy(), pw.mask.numpy() == 1
+    twin = keras.layers.SpectralNormalization(keras.layers.Dense(8))
+    twin(x)
+    twin.set_weights([np.asarray(wrapper.effective_weight(pw)) if w is pw.variable else w.numpy()
+                      for w in wrapper.layer.weights])
+    np.testing.assert_allclose(wrapper(x, training=True), twin(x, training=True), rtol=1e-5)
+    after = pw.variable.numpy()
+    np.testing.assert_array_equal(after[~kept], before[~kept])
+    np.testing.assert_allclose(after[kept], twin.layer.kernel.numpy()[kept], rtol=1e-6)
+    assert np.abs(after[kept] - before[kept]).max() > 1e-3  # the layer did assign its kernel
 
 
 def rnn_model(seed):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import warnings
 
 import keras
 import numpy as np
@@ -103,6 +104,35 @@ def _without_autocast():
         yield
     finally:
         global_state.set_global_attribute("autocast_scope", outer)
+
+
+@contextlib.contextmanager
+def _calls_not_rematerialized(layer: keras.layers.Layer):
+    """Runs `layer` and its sublayers without `keras.RematScope`'s whole-call rematerialization
+    (modes "full", "larger_than", "list_of_layers"); yields the names of the layers it applied to.
+
+    `tf.recompute_grad` differentiates a call with respect to its inputs and the variables read
+    inside it only. The masked weights the wrapper maps the variables to are neither, so a
+    rematerialized inner call gave the pruned weights no gradient: they silently never trained.
+    Mode "activations" (only the activation function is recomputed) is kept.
+    """
+    dropped = [sub for sub in layer._flatten_layers(include_self=True)
+               if _rematerializes_call(sub._remat_mode, sub.name)]
+    saved = [sub._remat_mode for sub in dropped]
+    for sub in dropped:
+        sub._remat_mode = None
+    try:
+        yield [sub.name for sub in dropped]
+    finally:
+        for sub, mode in zip(dropped, saved):
+            sub._remat_mode = mode
+
+
+def _rematerializes_call(mode, name: str) -> bool:
+    """Whether a layer made under RematScope `mode` may recompute its whole call."""
+    if mode is None or mode.mode == "activations":
+        return False
+    return mode.mode != "list_of_layers" or name in mode.layer_names
 
 
 def stored_value(variable: keras.Variable):
@@ -200,6 +230,13 @@ class Sparse24(keras.layers.Wrapper):
         # mask variables themselves. Sparse24Callback's dense warm-up resets prune()'s masks
         # silently, any others with a warning.
         self.masks_source = "ones"
+        # Made under a keras.RematScope: this call reads the masked weights' variables, but the
+        # inner call they are passed to does not, and must not be recomputed
+        # (_calls_not_rematerialized); neither is this one. Said once, at the first call (None
+        # once said).
+        remat = _rematerializes_call(self._remat_mode, self.name)
+        self._remat_dropped: list[str] | None = [self.name] if remat else []
+        self._remat_mode = None
 
     def _mirror_call_signature(self, layer: keras.layers.Layer) -> None:
         """Makes Keras bind this wrapper's call arguments by the wrapped layer's `call` signature.
@@ -424,10 +461,28 @@ class Sparse24(keras.layers.Wrapper):
             masked = {id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights}
             state = [(v, masked.get(id(v), v.value)) for v in self.layer.variables]
             scope = _RecordingScope(state)
-        with scope:
+        with scope, _calls_not_rematerialized(self.layer) as dropped:
             outputs = self.layer(*args, **kwargs)
+        if self._remat_dropped is not None and (dropped := self._remat_dropped + dropped):
+            self._remat_dropped = None
+            warnings.warn(
+                f"Sparse24: keras.RematScope does not rematerialize {dropped} in {self.name!r}: "
+                "recomputed calls would give the pruned weights no gradient (tf.recompute_grad "
+                "differentiates only a call's inputs and the variables read inside it, and the "
+                "wrapper passes the masked weights in). Their activations are kept instead: more "
+                "memory, same results. RematScope(mode='activations') is kept.",
+                stacklevel=2,
+            )
+        masks = {id(pw.variable): pw.mask for pw in self.pruned_weights}
         for var in scope.assigned.values():  # the layer's own state updates
-            var.assign(scope.get_current_value(var))
+            value = tf.cast(scope.get_current_value(var), var.dtype)
+            if id(var) in masks:
+                # A layer that assigns its own kernel (SpectralNormalization) made the new value
+                # from the masked one: only the kept positions take it, the pruned ones keep
+                # their stored values, which a later mask recomputation may bring back.
+                kept = tf.cast(masks[id(var)].value, tf.bool)
+                value = tf.where(kept, value, stored_value(var))
+            var.assign(value)
         for loss in scope.losses:
             self.add_loss(loss)
         return outputs
