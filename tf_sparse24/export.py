@@ -515,35 +515,39 @@ def _chosen_name(layer, name: str) -> str:
 
 
 class _DenseKernel(tf.saved_model.experimental.TrackableResource):
-    """A pruned kernel rebuilt once, when the SavedModel loads, into a dense resource variable.
+    """A pruned kernel rebuilt once, when the SavedModel loads, into a dense variable.
 
-    Only `values` and `meta` are saved. Loading (`tf.saved_model.load`, or the init op that
-    TensorFlow Serving and `saved_model_cli` run after restoring the variables) calls `_initialize`,
-    which decompresses into the variable; serving then reads a plain dense kernel, so a layer runs
-    at dense speed. The variable is shared by name (unique per export) and never destroyed by a
-    loaded object, so two loads of one export in a process share it safely.
+    Only `values` and `meta` hold the kernel: `variable` has no fixed shape and is saved empty.
+    Loading (`tf.saved_model.load`, or the init op that TensorFlow Serving and `saved_model_cli`
+    run after restoring the variables) calls `_initialize`, which decompresses into it; serving
+    then reads a plain dense kernel, so a layer runs at dense speed. The variable is an ordinary
+    one of the loaded object, kept alive by the functions that read it and freed with them. (A
+    variable shared by name, as this was until 2026-12-01, was never freed: TensorFlow gives each
+    load its own name, so every load in a process added one dense copy for good.) This resource
+    only carries the initializer; its own handle names a variable that is never assigned, so it
+    holds no memory (`_create_resource` must make a handle in the graph being saved, where the
+    variable's own handle is not available).
     """
 
     def __init__(self, values, meta, k: int, shape, dtype, decompress):
         self._values, self._meta, self._k, self._shape = values, meta, k, list(shape)
         self._dtype = tf.as_dtype(dtype)  # the Keras variable's (values may be stored narrower)
         self._decompress = decompress
-        self._shared_name = f"tf_sparse24_{uuid.uuid4().hex}"
+        self.variable = tf.Variable(tf.zeros([0], self._dtype), trainable=False,
+                                    shape=tf.TensorShape(None))
+        self._unused_name = f"tf_sparse24_unused_{uuid.uuid4().hex}"
         super().__init__()
+        self._track_trackable(self.variable, name="variable")
 
     def _create_resource(self):
-        return tf.raw_ops.VarHandleOp(
-            dtype=self._dtype, shape=self._shape, shared_name=self._shared_name
-        )
+        return tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name=self._unused_name)
 
     def _initialize(self):
         dense = tf.reshape(self._decompress(self._values, self._meta, self._k), self._shape)
-        return tf.raw_ops.AssignVariableOp(
-            resource=self.resource_handle, value=tf.cast(dense, self._dtype)
-        )
+        return self.variable.assign(tf.cast(dense, self._dtype))
 
     def read(self) -> tf.Tensor:
-        return tf.raw_ops.ReadVariableOp(resource=self.resource_handle, dtype=self._dtype)
+        return tf.reshape(self.variable.value(), self._shape)
 
 
 def einsum_matmul(equation: str) -> int | None:
