@@ -87,6 +87,13 @@ def test_verify_reports_a_corrupted_tensor(exported, tmp_path, capsys):
 def test_export_refuses_an_existing_directory(exported, capsys):
     assert main(["export", exported["keras"], exported["dir"]]) == 1
     assert "pass --overwrite to replace it" in capsys.readouterr().err
+    # --overwrite replaces an export, never the model directory holding it (checked before the
+    # model is loaded: a missing model file does not get that far).
+    model_dir = os.path.dirname(exported["dir"])
+    before = sorted(os.listdir(model_dir))
+    assert main(["export", "missing.keras", model_dir, "--overwrite"]) == 1
+    assert "overwrite=True replaces only a previous export" in capsys.readouterr().err
+    assert sorted(os.listdir(model_dir)) == before
 
 
 def test_usage_errors_exit_2(capsys):

@@ -796,18 +796,34 @@ def test_warns_when_export_dir_is_not_a_version_number(tmp_path):
 def test_refuses_to_overwrite_unless_asked(tmp_path):
     model = tiny_model()
     target = tmp_path / "m" / "1"
-    target.mkdir(parents=True)
+    export(model, target)
     (target / "marker").write_text("old")
     with pytest.raises(FileExistsError, match="overwrite=True"):
         export(model, target)
-    assert os.listdir(target) == ["marker"]
+    assert "marker" in os.listdir(target)
     export(model, target, overwrite=True)
     assert not (target / "marker").exists()
     assert sorted(os.listdir(tmp_path / "m")) == ["1"]  # the old one is gone, no temp left
+    # A directory that is not an export is the user's: the model directory (version forgotten),
+    # or anything else not empty, is never replaced.
+    (tmp_path / "m" / "notes.txt").write_text("mine")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(FileExistsError, match=r"version directories \[1\]: export to .*m/2\?"):
+        export(model, tmp_path / "m", overwrite=True)
+    other = tmp_path / "data"
+    other.mkdir()
+    (other / "keep.npy").write_text("x")
+    with pytest.raises(FileExistsError, match=r"not a SavedModel \(it holds keep.npy\)"):
+        export(model, other, overwrite=True)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == sorted(
+        [*before, "data", "data/keep.npy"])
+    (other / "keep.npy").unlink()
+    export(model, other, overwrite=True)  # an empty directory is replaced
+    assert (other / "saved_model.pb").exists()
     shutil.rmtree(target)
     target.write_text("a file where the export goes")
     export(model, target, overwrite=True)
-    assert sorted(os.listdir(tmp_path / "m")) == ["1"]  # the replaced file is gone too
+    assert sorted(os.listdir(tmp_path / "m")) == ["1", "notes.txt"]  # the replaced file is gone
     x = np.ones((2, 8), np.float32)
     out = load(target).signatures["serving_default"](features=tf.constant(x))
     np.testing.assert_allclose(out["scores"].numpy(), model(x).numpy(), rtol=1e-6)

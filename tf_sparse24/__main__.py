@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import tf_sparse24  # noqa: F401, PLC0415  (registers the Sparse24 wrapper for load_model)
     from tf_sparse24 import metadata as md  # noqa: PLC0415
-    from tf_sparse24.export import export  # noqa: PLC0415
+    from tf_sparse24.export import check_replaceable, export  # noqa: PLC0415
     from tf_sparse24.verify import describe, verify  # noqa: PLC0415
 
     try:
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             if os.path.exists(args.export_dir) and not args.overwrite:  # before loading the model
                 raise FileExistsError(f"{args.export_dir} exists; pass --overwrite to replace it")
+            check_replaceable(os.path.abspath(args.export_dir))
             model = keras.saving.load_model(args.model, compile=False)
             signature = {s.name: s for s in args.input} if args.dict_inputs else args.input
             metadata = export(model, args.export_dir, args.mode, args.overwrite, signature)

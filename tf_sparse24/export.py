@@ -104,7 +104,8 @@ def export(
         export_dir: the version directory to create, e.g. `models/my_model/1`.
         mode: "portable" (stock TF ops only) or "accelerated" (`Sparse24MatMul`, needs the ops).
         overwrite: replace an existing `export_dir` (atomically: the old one is renamed away, the
-            new one renamed in, then the old one deleted).
+            new one renamed in, then the old one deleted) if it is a previous export, an empty
+            directory or a file; any other directory is refused.
         input_signature: named `tf.TensorSpec`s of the model's inputs, overriding `model.input`;
             a dict `{name: tf.TensorSpec}` for a (subclassed) model called with a dict.
 
@@ -114,7 +115,8 @@ def export(
     Raises:
         ValueError: bad mode or model, a pruned weight that is not 2:4, a model without any 2:4
             weight (export a dense model with `model.export` instead), stateful RNN layers.
-        FileExistsError: `export_dir` exists and `overwrite` is False.
+        FileExistsError: `export_dir` exists and `overwrite` is False, or it is a directory
+            that is neither empty nor a SavedModel.
     """
     if mode not in md.MODES:
         raise ValueError(f"mode must be one of {md.MODES}. Received: mode={mode!r}")
@@ -129,6 +131,7 @@ def export(
     export_dir = os.path.abspath(os.fspath(export_dir))
     if os.path.exists(export_dir) and not overwrite:
         raise FileExistsError(f"{export_dir} exists; pass overwrite=True to replace it")
+    check_replaceable(export_dir)
     if not os.path.basename(export_dir).isdigit():
         warnings.warn(
             f"export_dir {export_dir!r} is not a numeric version directory: TensorFlow Serving "
@@ -935,6 +938,29 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def check_replaceable(export_dir: str) -> None:
+    """Refuses a directory at `export_dir` that `overwrite=True` must not replace.
+
+    Replaced are a previous export (a SavedModel directory), an empty directory, a file or a
+    link. Anything else may be the user's own: a model directory holding its version directories
+    (`export(m, "models/m", overwrite=True)`, the version forgotten, deleted every version).
+    """
+    if not os.path.isdir(export_dir) or os.path.islink(export_dir):
+        return
+    entries = sorted(os.listdir(export_dir))
+    if not entries or {"saved_model.pb", "saved_model.pbtxt"} & set(entries):
+        return
+    versions = sorted(int(e) for e in entries
+                      if e.isdigit() and os.path.isdir(os.path.join(export_dir, e)))
+    hint = (f" It holds the version directories {versions}: export to "
+            f"{os.path.join(export_dir, str(versions[-1] + 1))}?" if versions else "")
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    raise FileExistsError(
+        f"{export_dir} is not a SavedModel (it holds {shown}): overwrite=True replaces only a "
+        f"previous export, an empty directory or a file, never other data.{hint}"
+    )
 
 
 def _move_into_place(tmp: str, export_dir: str) -> None:
