@@ -167,8 +167,13 @@ def test_portable_decompress_rejects_bad_shapes():
 
 def test_export_layout_and_metadata(mixed):
     d, metadata = mixed["portable"], mixed["metadata"]
-    assert sorted(os.listdir(d)) == ["assets", "fingerprint.pb", "saved_model.pb", "variables"]
+    assert sorted(os.listdir(d)) == ["assets", "assets.extra", "fingerprint.pb", "saved_model.pb",
+                                     "variables"]
     assert not [f for f in os.listdir(os.path.dirname(d)) if f != "1"]  # no temp dirs left
+    # The graph's sha256 in sha256sum's format: coreutils checks it from the export directory.
+    check = subprocess.run(["sha256sum", "-c", md.GRAPH_CHECKSUM], cwd=d, capture_output=True,
+                           text=True, check=False)
+    assert check.returncode == 0 and check.stdout.strip() == "saved_model.pb: OK", check
     with open(md.path_in(d)) as f:
         assert json.load(f) == metadata
     assert metadata["format"] == "sparse24/v1" and metadata["mode"] == "portable"
@@ -859,12 +864,35 @@ def _flip_byte_of_first_tensor(target):
 
 
 def _forge_checksum_everywhere(target):
-    """Changes one sha256 in the asset AND the copy embedded in saved_model.pb (same length)."""
+    """Changes one sha256 in the asset AND the copy embedded in saved_model.pb (same length),
+    and writes the edited graph's checksum: only the tensor's own checksum is left to tell."""
     sha = md.read(target)["dense"][0]["sha256"]
     for path in (md.path_in(target), target / "saved_model.pb"):
         data = open(path, "rb").read()
         assert sha.encode() in data
         open(path, "wb").write(data.replace(sha.encode(), b"0" * 64))
+    md.write_graph_checksum(target)
+
+
+def _flip_bit_of_a_graph_constant(target):
+    """One bit of the first float32 1.0 in saved_model.pb: the graph still parses, so only the
+    graph's checksum can tell."""
+    from tensorflow.core.protobuf import saved_model_pb2  # noqa: PLC0415
+
+    data = bytearray((target / "saved_model.pb").read_bytes())
+    data[data.index(np.float32(1.0).tobytes())] ^= 0x01
+    (target / "saved_model.pb").write_bytes(bytes(data))
+    saved_model_pb2.SavedModel().ParseFromString(bytes(data))
+
+
+def test_an_export_without_the_graph_checksum_loads_with_a_warning(mixed, tmp_path):
+    """Exports written before the graph's checksum existed still load; the warning says what
+    was not checked."""
+    target = _corrupt_copy(mixed, tmp_path, lambda t: shutil.rmtree(t / "assets.extra"))
+    with pytest.warns(UserWarning, match=r"the graph \(saved_model.pb\) is not"):
+        loaded = load(target)
+    out = loaded.signatures["serving_default"](pixels=tf.constant(mixed["x"]))
+    np.testing.assert_allclose(out["logits"].numpy(), mixed["y"], atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -879,9 +907,10 @@ def _forge_checksum_everywhere(target):
         (lambda t: _data_file(t).write_bytes(_data_file(t).read_bytes()[:1000]), "cannot load"),
         (_flip_byte_of_first_tensor, "tensor 'conv/kernel:values'"),
         (_forge_checksum_everywhere, "checksum mismatch for tensor 'conv/bias'"),
+        (_flip_bit_of_a_graph_constant, "checksum mismatch for saved_model.pb"),
     ],
     ids=["bad-json", "format-v2", "schema", "edited-checksum", "missing", "truncated", "bit-flip",
-         "forged-checksum"],
+         "forged-checksum", "graph-bit-flip"],
 )
 def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):
     target = _corrupt_copy(mixed, tmp_path, edit)

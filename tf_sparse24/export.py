@@ -187,7 +187,8 @@ def export(
 
 
 def load(export_dir: str | os.PathLike) -> Any:
-    """Loads an export of either mode and checks its metadata and every tensor's checksum.
+    """Loads an export of either mode and checks its metadata, its graph's and every tensor's
+    checksum.
 
     Args:
         export_dir: the version directory written by `export`.
@@ -197,11 +198,18 @@ def load(export_dir: str | os.PathLike) -> Any:
         variables, `.metadata()` (the embedded JSON) and `.sparse24_metadata` (the parsed dict).
 
     Raises:
-        ExportError: missing, unparsable, edited or unsupported metadata, unreadable variables, or
-            a tensor whose sha256 differs from the metadata (the message names the tensor).
+        ExportError: missing, unparsable, edited or unsupported metadata, unreadable variables, a
+            tensor whose sha256 differs from the metadata (the message names the tensor), or a
+            `saved_model.pb` whose sha256 differs from `assets.extra/saved_model.pb.sha256`.
     """
     export_dir = os.fspath(export_dir)
     metadata = md.read(export_dir)
+    if not md.check_graph_checksum(export_dir):
+        warnings.warn(
+            f"{export_dir} has no {md.GRAPH_CHECKSUM} (exported before 2026-12-01): the "
+            "tensors and metadata are checked, the graph (saved_model.pb) is not",
+            stacklevel=2,
+        )
     if metadata["mode"] == "accelerated":
         from tf_sparse24 import ops  # noqa: PLC0415
 
@@ -832,6 +840,7 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
         tf.saved_model.save(module, directory, signatures={SIGNATURE: serving})
     finally:
         shutil.rmtree(asset_dir, ignore_errors=True)
+    md.write_graph_checksum(directory)
     return metadata
 
 

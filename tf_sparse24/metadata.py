@@ -35,6 +35,49 @@ def path_in(export_dir: str | os.PathLike) -> str:
     return os.path.join(os.fspath(export_dir), "assets", FILENAME)
 
 
+# sha256 of saved_model.pb, in `sha256sum` format (`cd DIR && sha256sum -c` this file). The graph
+# embeds the metadata, so neither can hold the graph's checksum; assets.extra/ is where TensorFlow
+# Serving keeps files that travel with a model but are not part of it.
+GRAPH_CHECKSUM = os.path.join("assets.extra", "saved_model.pb.sha256")
+
+
+def write_graph_checksum(export_dir: str | os.PathLike) -> None:
+    """Writes the sha256 of the export's `saved_model.pb` to `GRAPH_CHECKSUM`."""
+    export_dir = os.fspath(export_dir)
+    with open(os.path.join(export_dir, "saved_model.pb"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    os.makedirs(os.path.join(export_dir, "assets.extra"), exist_ok=True)
+    with open(os.path.join(export_dir, GRAPH_CHECKSUM), "w", encoding="utf-8") as f:
+        f.write(f"{digest}  saved_model.pb\n")
+
+
+def check_graph_checksum(export_dir: str | os.PathLike) -> bool:
+    """Checks `saved_model.pb` against `GRAPH_CHECKSUM`; False if the export has none (written
+    before 2026-12-01).
+
+    Raises:
+        ExportError: the graph's sha256 differs (its ops or constants were changed), or the
+            checksum file is unreadable.
+    """
+    export_dir = os.fspath(export_dir)
+    path = os.path.join(export_dir, GRAPH_CHECKSUM)
+    if not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        expected = f.read().split()
+    graph = os.path.join(export_dir, "saved_model.pb")
+    if not os.path.isfile(graph):
+        raise ExportError(f"{graph} not found")
+    with open(graph, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if expected[:2] != [digest, "saved_model.pb"]:
+        raise ExportError(
+            f"checksum mismatch for saved_model.pb: its sha256 is {digest}, {path} says "
+            f"{' '.join(expected[:2])!r}; the graph was modified or corrupted"
+        )
+    return True
+
+
 def sha256(array: np.ndarray) -> str:
     """Hex sha256 of an array's C-order bytes (the checksum stored for every tensor)."""
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
