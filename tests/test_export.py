@@ -1147,6 +1147,28 @@ def test_verify_compares_with_the_model_in_graph_mode(tmp_path):
     assert verify(tmp_path / "1", against=pruned)["max_abs_diff"]["output_0"] <= 1e-4
 
 
+def test_verify_sizes_unknown_dimensions_so_the_model_has_outputs(tmp_path):
+    """A fully convolutional model (height and width unknown) with four 'valid' 3x3 convolutions
+    cannot take 8x8 inputs (the first size tried); verify takes a larger one. One that can take
+    nothing says which sizes it tried."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None, None, 4), name="image")
+    x = inputs
+    for _ in range(4):
+        x = keras.layers.Conv2D(8, 3, activation="relu")(x)
+    model = tf_sparse24.prune(keras.Model(inputs, x))
+    export(model, tmp_path / "1")
+    report = verify(tmp_path / "1", against=model)
+    assert report["input_shapes"] == {"image": [2, 32, 32, 4]}
+    assert report["max_abs_diff"]["output_0"] <= 1e-4
+    for _ in range(60):  # 120 pixels lost: more than the largest size tried
+        x = keras.layers.Conv2D(8, 3)(x)
+    deep = tf_sparse24.prune(keras.Model(inputs, x))
+    export(deep, tmp_path / "2")
+    with pytest.raises(ExportError, match=r"unknown input dimensions set to any of \[8, 32, 96\]"):
+        verify(tmp_path / "2", against=deep)
+
+
 def test_accelerated_runs_group_query_attention(tmp_path):
     # Grouped-query attention (4 query heads sharing 2 key/value heads, a sigmoid gate): every
     # projection, the gate's too, runs as Sparse24MatMul and the export serves what it computes.

@@ -55,7 +55,7 @@ def verify(
 
     Returns:
         A dict: `mode`, `tensors` (checksums checked), `sparse_weights`, `nonstock_ops`, and with
-        `against` also `max_abs_diff` per output.
+        `against` also `max_abs_diff` per output and the `input_shapes` compared on.
 
     Raises:
         ExportError: naming the tensor, op or output that failed.
@@ -81,23 +81,70 @@ def verify(
         "nonstock_ops": sorted(extra),
     }
     if against is not None:
-        report["max_abs_diff"] = _compare(loaded, metadata, against, seed)
+        report["max_abs_diff"], report["input_shapes"] = _compare(loaded, metadata, against, seed)
     return report
 
 
-def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
+# Sizes tried, in order, for the unknown non-batch dimensions of the inputs in `verify --against`.
+UNKNOWN_SIZES = (8, 32, 96)
+
+
+def _compare(loaded, metadata, against, seed: int) -> tuple[dict[str, float], dict]:
+    """Max |served - model| per output, and the input shapes they were compared on."""
     model = against
     if not isinstance(model, keras.Model):
         model = keras.saving.load_model(os.fspath(against), compile=False)
     model = functional_view(model)
-    rng = np.random.default_rng(seed)
-    inputs = {}
     specs = metadata["signature"]["inputs"]
+    unknown = any(d is None for spec in specs.values() for d in spec["shape"][1:])
+    sizes = UNKNOWN_SIZES if unknown else UNKNOWN_SIZES[:1]
+    for size in sizes:
+        # Unknown dimensions (a sequence length, a fully convolutional model's height and width)
+        # get `size`; a larger one where the model cannot take it (4 'valid' 3x3 convolutions
+        # need 9) or gives empty outputs, which would match trivially.
+        try:
+            inputs, served, names, flat, low_precision = _run_both(
+                loaded, metadata, model, size, seed)
+        except Exception as e:  # TF and Keras raise many types on a bad shape
+            if size == sizes[-1]:
+                raise ExportError(
+                    f"the model and export could not be compared with the unknown input "
+                    f"dimensions set to any of {list(sizes)}: {type(e).__name__}: {e}"
+                ) from e
+            continue
+        if size == sizes[-1] or all(np.size(t) for t in flat):
+            break
+    diffs = {}
+    for name, want in zip(names, flat):
+        want = np.asarray(keras.ops.convert_to_numpy(want), np.float64)
+        got = np.asarray(served[name].numpy(), np.float64)
+        if got.shape != want.shape:
+            raise ExportError(
+                f"output {name!r}: served shape {got.shape}, model gives {want.shape}"
+            )
+        precise = served[name].dtype.size >= 4 and not low_precision
+        finite = np.isfinite(want)
+        tol = (1e-4 if precise else 2e-2) * max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
+        # NaN/Inf where the model gives them too (e.g. a fully masked sequence) are a match.
+        same = (got == want) | (np.isnan(got) & np.isnan(want))
+        diffs[name] = float(np.abs(np.where(same, 0.0, got - want)).max()) if want.size else 0.0
+        if not diffs[name] <= tol:
+            raise ExportError(
+                f"output {name!r} differs from the Keras model by {diffs[name]:.3g} (> {tol:.3g})"
+            )
+    return diffs, {name: list(t.shape) for name, t in inputs.items()}
+
+
+def _run_both(loaded, metadata: dict, model: keras.Model, size: int, seed: int):
+    """One random batch of 2 (unknown dimensions set to `size`), the served outputs and the
+    model's (names, flat list), and whether the model computes in 16 bits."""
+    rng = np.random.default_rng(seed)
+    specs = metadata["signature"]["inputs"]
+    inputs = {}
     for name in _input_order(model, metadata["signature"]):
-        spec = specs[name]
-        shape = [2 if i == 0 else 8 for i in range(len(spec["shape"]))]
-        shape = [d if d is not None else shape[i] for i, d in enumerate(spec["shape"])]
-        inputs[name] = _random_input(rng, shape, tf.as_dtype(spec["dtype"]))
+        shape = [d if d is not None else (2 if i == 0 else size)
+                 for i, d in enumerate(specs[name]["shape"])]
+        inputs[name] = _random_input(rng, shape, tf.as_dtype(specs[name]["dtype"]))
     served = loaded.signatures[SIGNATURE](**inputs)
     keys = list(inputs) if metadata["signature"].get("input_structure") == "dict" else None
     own = model_input_names(model)
@@ -118,27 +165,8 @@ def _compare(loaded, metadata, against, seed: int) -> dict[str, float]:
         getattr(layer, "compute_dtype", None) in ("float16", "bfloat16")
         for layer in model._flatten_layers()  # wrapped layers too
     )
-    names = signature_output_names(model, expected)
     flat, _ = flat_outputs(expected)
-    diffs = {}
-    for name, want in zip(names, flat):
-        want = np.asarray(keras.ops.convert_to_numpy(want), np.float64)
-        got = np.asarray(served[name].numpy(), np.float64)
-        if got.shape != want.shape:
-            raise ExportError(
-                f"output {name!r}: served shape {got.shape}, model gives {want.shape}"
-            )
-        precise = served[name].dtype.size >= 4 and not low_precision
-        finite = np.isfinite(want)
-        tol = (1e-4 if precise else 2e-2) * max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
-        # NaN/Inf where the model gives them too (e.g. a fully masked sequence) are a match.
-        same = (got == want) | (np.isnan(got) & np.isnan(want))
-        diffs[name] = float(np.abs(np.where(same, 0.0, got - want)).max()) if want.size else 0.0
-        if not diffs[name] <= tol:
-            raise ExportError(
-                f"output {name!r} differs from the Keras model by {diffs[name]:.3g} (> {tol:.3g})"
-            )
-    return diffs
+    return inputs, served, signature_output_names(model, expected), flat, low_precision
 
 
 def _random_input(rng: np.random.Generator, shape: list[int], dtype: tf.DType) -> tf.Tensor:
