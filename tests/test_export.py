@@ -358,6 +358,9 @@ def test_subclassed_model_needs_and_uses_an_input_signature(tmp_path):
     assert nonstock_ops(graph_ops(tmp_path / "1")) == {"Sparse24MatMul"}
     out = load(tmp_path / "1").signatures["serving_default"](features=tf.constant(x))
     np.testing.assert_allclose(out["output_0"].numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+    export(model, tmp_path / "2", input_signature=spec[0])  # one spec, as Keras' export takes it
+    out = load(tmp_path / "2").signatures["serving_default"](features=tf.constant(x))
+    np.testing.assert_allclose(out["output_0"].numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
 
 
 class DictInputNet(keras.Model):

@@ -88,7 +88,8 @@ def export(
     export_dir: str | os.PathLike,
     mode: str = "portable",
     overwrite: bool = False,
-    input_signature: list[tf.TensorSpec] | dict[str, tf.TensorSpec] | None = None,
+    input_signature: (list[tf.TensorSpec] | tf.TensorSpec | dict[str, tf.TensorSpec]
+                      | None) = None,
 ) -> dict[str, Any]:
     """Exports a pruned (or stripped) Keras model as a SavedModel with compressed 2:4 weights.
 
@@ -106,8 +107,9 @@ def export(
         overwrite: replace an existing `export_dir` (atomically: the old one is renamed away, the
             new one renamed in, then the old one deleted) if it is a previous export, an empty
             directory or a file; any other directory is refused.
-        input_signature: named `tf.TensorSpec`s of the model's inputs, overriding `model.input`;
-            a dict `{name: tf.TensorSpec}` for a (subclassed) model called with a dict.
+        input_signature: named `tf.TensorSpec`s of the model's inputs (a list, or one spec),
+            overriding `model.input`; a dict `{name: tf.TensorSpec}` for a (subclassed) model
+            called with a dict.
 
     Returns:
         The metadata written to `assets/sparse24.json`.
@@ -386,7 +388,7 @@ def _dedupe_names(items: list) -> None:
 
 def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
     """The serving signature's named inputs, in the model's order: `input_signature` (a list of
-    named specs, or `{name: spec}`), else the model's symbolic inputs (names sanitised, unique)."""
+    named specs, one named spec, or `{name: spec}`), else the model's symbolic inputs (names sanitised, unique)."""
     if isinstance(input_signature, dict):
         bad = [k for k in input_signature if not re.fullmatch(r"[A-Za-z_]\w*", str(k))]
         if bad or not all(isinstance(s, tf.TensorSpec) for s in input_signature.values()):
@@ -395,6 +397,8 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
                 f"tf.TensorSpec. Received: {input_signature}"
             )
         return [tf.TensorSpec(s.shape, s.dtype, name=k) for k, s in input_signature.items()]
+    if isinstance(input_signature, tf.TensorSpec):
+        input_signature = [input_signature]  # one input, as Keras' model.export takes it
     if input_signature is not None:
         specs = list(input_signature)
         if not all(isinstance(s, tf.TensorSpec) and s.name for s in specs):
