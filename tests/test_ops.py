@@ -414,6 +414,11 @@ def test_bad_shapes_and_dtypes():
         ops.sparse24_matmul(x, values, tf.zeros((4, 2), tf.uint8) + 4)
     with pytest.raises(tf.errors.InvalidArgumentError, match="K=6"):
         ops.sparse24_matmul(tf.ones((2, 6)), tf.ones((3, 3)), tf.zeros((3, 1), tf.uint8))
+    # x of the wrong size for weights that agree with each other: x is named, not the weights.
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(
+            "x [2,12] has K=12 in its last dimension, but the weight (values [3,8]) is stored for "
+            "K=16: x must be [..., 16]")):
+        ops.sparse24_matmul(tf.ones((2, 12)), values, meta)
     with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of 4, got K=6"):
         ops.sparse24_decompress(tf.ones((3, 3)), tf.zeros((3, 1), tf.uint8), 6)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"for K=20 values must be \[N, 10\]"):

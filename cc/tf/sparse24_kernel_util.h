@@ -68,6 +68,25 @@ inline absl::Status CheckCompressed(const char* op, const Tensor& values, const 
   return absl::OkStatus();
 }
 
+// Sparse24MatMul's inputs: x [..., K] and a weight stored for the same K. Where values and meta
+// agree on another K, the message names x's last dimension, the input a caller gets wrong (a
+// served model fed features of the wrong size), not the weights; else CheckCompressed's.
+inline absl::Status CheckMatMul(const Tensor& x, const Tensor& values, const Tensor& meta) {
+  if (x.dims() < 1) return InvalidArgument("Sparse24MatMul: x must be [..., K], got a scalar");
+  const int64_t k = x.dim_size(x.dims() - 1);
+  if (values.dims() == 2 && meta.dims() == 2) {
+    const int64_t stored_k = values.dim_size(1) * 2;
+    if (stored_k != k && meta.dim_size(0) == values.dim_size(0) &&
+        meta.dim_size(1) == sparse24::meta_cols(stored_k)) {
+      return InvalidArgument("Sparse24MatMul: x ", x.shape().DebugString(), " has K=", k,
+                             " in its last dimension, but the weight (values ",
+                             values.shape().DebugString(), ") is stored for K=", stored_k,
+                             ": x must be [..., ", stored_k, "]");
+    }
+  }
+  return CheckCompressed("Sparse24MatMul", values, meta, k);
+}
+
 // Sparse24MatMul's x [..., K] (at least 1-D): the output shape [..., N] and the row count M, the
 // product of the batch dims (NumElements / K would be 0 when K = 0).
 inline void MatMulShapes(const Tensor& x, int64_t n, TensorShape* y_shape, int64_t* m) {

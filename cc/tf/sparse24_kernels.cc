@@ -18,6 +18,7 @@ namespace {
 
 using sparse24_kernels::CheckCompressed;
 using sparse24_kernels::CheckDense;
+using sparse24_kernels::CheckMatMul;
 using sparse24_kernels::InvalidArgument;
 using sparse24_kernels::MatMulShapes;
 using sparse24_kernels::ToDType;
@@ -114,10 +115,8 @@ class Sparse24MatMulOp : public OpKernel {
     const Tensor& x = ctx->input(0);
     const Tensor& values = ctx->input(1);
     const Tensor& meta = ctx->input(2);
-    OP_REQUIRES(ctx, x.dims() >= 1,
-                InvalidArgument("Sparse24MatMul: x must be [..., K], got a scalar"));
+    OP_REQUIRES_OK(ctx, CheckMatMul(x, values, meta));
     const int64_t k = x.dim_size(x.dims() - 1);
-    OP_REQUIRES_OK(ctx, CheckCompressed("Sparse24MatMul", values, meta, k));
     sparse24::Isa isa;
     OP_REQUIRES_OK(ctx, RequestedIsa(&isa));
     const int64_t n = values.dim_size(0);
