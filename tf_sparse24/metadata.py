@@ -24,6 +24,9 @@ FORMAT = "sparse24/v1"
 MODES = ("portable", "accelerated")
 FILENAME = "sparse24.json"
 KERNELS = ("sparse24_matmul", "dense_at_load")
+TENSOR_FIELDS = ("name", "shape", "dtype", "sha256", "bytes")
+SPARSE_FIELDS = ("name", "layer", "shape", "dtype", "axis", "k", "n", "pattern", "kernel",
+                 "values", "meta")  # and, since mixed precision, "variable_dtype"
 
 
 class ExportError(ValueError):
@@ -133,6 +136,20 @@ def loads(text: str, source: str) -> dict[str, Any]:
     for key in ("sparse", "dense", "signature"):
         if key not in metadata:
             raise ExportError(f"{source}: missing field {key!r}")
+    for key in ("sparse", "dense"):
+        if not isinstance(metadata[key], list):
+            raise ExportError(f"{source}: {key!r} must be a list. Received: {metadata[key]!r}")
+    records = [(f"sparse[{i}]", e, SPARSE_FIELDS) for i, e in enumerate(metadata["sparse"])]
+    records += [(f"sparse[{i}].{part}", e.get(part), TENSOR_FIELDS)
+                for i, e in enumerate(metadata["sparse"]) if isinstance(e, dict)
+                for part in ("values", "meta")]
+    records += [(f"dense[{i}]", e, TENSOR_FIELDS) for i, e in enumerate(metadata["dense"])]
+    for where, record, fields in records:
+        if not isinstance(record, dict):
+            raise ExportError(f"{source}: {where} must be a JSON object. Received: {record!r}")
+        if missing := [f for f in fields if f not in record]:
+            raise ExportError(f"{source}: {where} ({record.get('name', '?')!r}) is missing "
+                              f"the fields {missing}")
     return metadata
 
 
