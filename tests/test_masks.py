@@ -48,6 +48,15 @@ def test_mask_matches_numpy_reference(case):
     assert is_nm_sparse(w * mask, f"{n}:{m}", axis)
 
 
+@pytest.mark.parametrize("n, m", [(3, 130)])
+def test_groups_longer_than_128_keep_exactly_n(n, m):
+    """The pairwise "beaten by" counts reach M - 1: held in int8 they wrapped past 127 and kept
+    up to 172 of 200 (any 0 < N < M is documented). One case: M(M-1)/2 eager ops are slow."""
+    w = np.random.default_rng(0).normal(size=(2 * m, 3)).astype(np.float32)
+    mask = compute_mask(tf.constant(w), f"{n}:{m}", axis=0).numpy()
+    np.testing.assert_array_equal(mask.astype(bool), reference_mask(w, n, m, 0))
+
+
 def test_tie_rule_keeps_lower_index():
     w = tf.constant([1.0, -1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 3.0])
     np.testing.assert_array_equal(compute_mask(w).numpy(), [1, 1, 0, 0, 1, 0, 0, 1])

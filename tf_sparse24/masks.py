@@ -59,10 +59,10 @@ def magnitude_mask(groups: tf.Tensor, n: int) -> tf.Tensor:
         A boolean tensor shaped like `groups`.
     """
     mag = tf.unstack(tf.abs(groups), axis=1)
-    beaten_by = [tf.zeros_like(mag[0], dtype=tf.int8) for _ in mag]
+    beaten_by = [tf.zeros_like(mag[0], dtype=tf.int32) for _ in mag]
     for i in range(len(mag)):
         for j in range(i + 1, len(mag)):
-            i_wins = tf.cast(mag[i] >= mag[j], tf.int8)
+            i_wins = tf.cast(mag[i] >= mag[j], tf.int32)
             beaten_by[j] += i_wins
             beaten_by[i] += 1 - i_wins
     return tf.stack([count < n for count in beaten_by], axis=1)
