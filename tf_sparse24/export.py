@@ -388,7 +388,8 @@ def _dedupe_names(items: list) -> None:
 
 def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
     """The serving signature's named inputs, in the model's order: `input_signature` (a list of
-    named specs, one named spec, or `{name: spec}`), else the model's symbolic inputs (names sanitised, unique)."""
+    named specs, one named spec, or `{name: spec}`), else the model's symbolic inputs (names
+    sanitised, unique)."""
     if isinstance(input_signature, dict):
         bad = [k for k in input_signature if not re.fullmatch(r"[A-Za-z_]\w*", str(k))]
         if bad or not all(isinstance(s, tf.TensorSpec) for s in input_signature.values()):

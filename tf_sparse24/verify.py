@@ -42,11 +42,11 @@ def verify(
 ) -> dict[str, Any]:
     """Checks an export end to end and returns what was checked.
 
-    Checks: the metadata, the graph's and every tensor's sha256 (`tf_sparse24.load`), that every stored `meta`
-    is valid `sparse24/v1` (each group's two positions strictly ascending, so the rebuilt weights
-    are exactly 2:4), that a `portable` export uses only stock TensorFlow ops (an `accelerated` one
-    only stock ops plus the two `Sparse24*` ops), and, with `against`, that `serving_default`
-    matches the Keras model on random inputs within the dtype's tolerance.
+    Checks: the metadata, the graph's and every tensor's sha256 (`tf_sparse24.load`), that every
+    stored `meta` is valid `sparse24/v1` (each group's two positions strictly ascending, so the
+    rebuilt weights are exactly 2:4), that a `portable` export uses only stock TensorFlow ops (an
+    `accelerated` one only stock ops plus the two `Sparse24*` ops), and, with `against`, that
+    `serving_default` matches the Keras model on random inputs within the dtype's tolerance.
 
     Args:
         export_dir: the version directory written by `tf_sparse24.export`.
