@@ -349,6 +349,8 @@ def test_callback_is_reusable_and_validates():
         ts.Sparse24Callback(update_every=0)
     with pytest.raises(ValueError, match="start_step=-1"):
         ts.Sparse24Callback(start_step=-1)
+    with pytest.raises(ValueError, match="Unknown mask method.*method='bogus'"):
+        ts.Sparse24Callback(method="bogus")
 
 
 def test_a_warm_up_that_discards_masks_loaded_from_a_file_says_so(tmp_path, recwarn):

@@ -1023,6 +1023,8 @@ def test_permute_layers_accepts_one_name_layer_objects_and_classes(which):
     assert searched == ([("d0",), ("d1",), ("d2",), ("d3",)] if which == "class" else [("d2",)])
     with pytest.raises(ValueError, match=r"no layer named \['nope'\]"):
         permute(model, layers="nope")
+    with pytest.raises(ValueError, match=r"layers: \[\] selects no layer"):
+        permute(model, layers=[])
 
 
 def test_permute_nan_kernel_error_names_the_layer():

@@ -140,6 +140,10 @@ def test_sequential_layers_and_skip_selection():
     )
     with pytest.raises(ValueError, match=r"layers: no layer named \['nope'\]"):
         ts.prune(model, layers=["nope"])
+    # An empty selection is a mistake, not "everything" (None is the default that selects all).
+    with pytest.raises(ValueError, match=r"layers: \(\) selects no layer of model"):
+        ts.prune(model, layers=())
+    assert len(ts.pruned_layers(ts.prune(model, skip=[]))) == 3
 
 
 def masked_copy_1of4(model, x):

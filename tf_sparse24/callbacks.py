@@ -13,7 +13,7 @@ import warnings
 import keras
 import numpy as np
 
-from tf_sparse24.masks import is_nm_sparse
+from tf_sparse24.masks import _mask_method, is_nm_sparse
 from tf_sparse24.prune import not_nm_weights, pruned_layers
 
 
@@ -72,6 +72,7 @@ class Sparse24Callback(keras.callbacks.Callback):
                 raise ValueError(
                     f"{name} must be None or an int >= {low}. Received: {name}={value!r}"
                 )
+        _mask_method(method)  # an unknown method fails here, not at the first mask computation
         self.start_step = start_step
         self.update_every = update_every
         self.method = method

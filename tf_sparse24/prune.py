@@ -162,9 +162,14 @@ def _check_selectors(model, selectors, arg: str) -> list:
 
     Raises:
         TypeError: for anything else.
-        ValueError: naming the names, and the layer objects, that are not in `model` (a layer of
+        ValueError: `layers=` that selects nothing (an empty list: None selects everything); or
+            naming the names, and the layer objects, that are not in `model` (a layer of
             the caller's model passed with its copy would select nothing).
     """
+    if arg == "layers" and selectors is not None and not _selector_list(selectors):
+        raise ValueError(
+            f"layers: {selectors!r} selects no layer of model {model.name!r}. Pass layers=None "
+            "(the default) for every eligible layer, or name the layers to select.")
     layers = walk_layers(model) + [
         layer for w in pruned_layers(model) for layer in [w.layer, *walk_layers(w.layer)]]
     names = {layer.name for layer in layers}
@@ -397,7 +402,8 @@ def prune(
         model: a built keras.Model (Sequential, Functional, or subclassed with `Sparse24` layers).
         pattern: "N:M", keep N of every M; None: "2:4" (a subclassed model's wrappers keep the
             pattern they were made with; a different one is an error).
-        layers: only prune these (layer names, layer objects or layer classes).
+        layers: only prune these (layer names, layer objects or layer classes); None (default):
+            every eligible layer. An empty selection is an error, not "everything".
         skip: never prune these (same forms).
         method: mask method, a key of `tf_sparse24.masks.MASK_METHODS`.
         wrapper: the wrapper class (Sequential/Functional models), `Sparse24` or a subclass such as
