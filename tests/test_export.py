@@ -303,7 +303,9 @@ def test_fresh_processes_serve_the_exports(mixed):
 def test_stripped_model_exports_the_same_tensors(mixed, tmp_path):
     stripped = tf_sparse24.strip(mixed["model"])
     assert not any(isinstance(layer, Sparse24) for layer in stripped.layers)
-    metadata = export(stripped, tmp_path / "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every kernel is exactly 2:4: nothing to warn about
+        metadata = export(stripped, tmp_path / "1")
     by_name = {e["name"]: e for e in metadata["sparse"]}
     assert sorted(by_name) == sorted(SPARSE_NAMES)
     for entry in mixed["metadata"]["sparse"]:
@@ -311,6 +313,26 @@ def test_stripped_model_exports_the_same_tensors(mixed, tmp_path):
         assert by_name[entry["name"]]["meta"] == entry["meta"]
     out = load(tmp_path / "1").signatures["serving_default"](pixels=tf.constant(mixed["x"]))
     np.testing.assert_allclose(out["logits"].numpy(), mixed["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_stripped_kernel_trained_off_2to4_is_stored_dense_with_a_warning(mixed, tmp_path):
+    stripped = tf_sparse24.strip(mixed["model"])
+    hidden = stripped.get_layer("hidden").kernel
+    kernel = hidden.numpy()
+    # Training without masks moves every pruned zero a little: 2:4 up to tiny values.
+    noise = np.random.default_rng(4).uniform(1e-6, 1e-5, kernel.shape).astype(np.float32)
+    hidden.assign(np.where(kernel == 0, noise, kernel))
+
+    with pytest.warns(UserWarning, match=r"'hidden/kernel' is stored dense: it is not exactly "
+                      r"2:4, but 100% of its groups are 2:4 up to values below 0.001"):
+        metadata = export(stripped, tmp_path / "1")
+
+    assert "hidden/kernel" not in {e["name"] for e in metadata["sparse"]}
+    assert len(metadata["sparse"]) == len(SPARSE_NAMES) - 1
+    out = load(tmp_path / "1").signatures["serving_default"](pixels=tf.constant(mixed["x"]))
+    np.testing.assert_allclose(out["logits"].numpy(),
+                               keras.ops.convert_to_numpy(stripped(mixed["x"], training=False)),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype, mode", [("bfloat16", "accelerated"), ("float16", "portable")])

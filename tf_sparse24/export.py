@@ -347,12 +347,33 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
                 value = _as_computed(layer, variable, variable.value)
                 try:
                     values, meta = fmt.compress(fmt.to_2d(value, axis))
-                except ValueError:
-                    continue  # not 2:4 (a dense kernel): stored as is
+                except ValueError:  # not 2:4 (a dense kernel): stored as is
+                    _warn_if_drifted(variable.path, fmt.to_2d(value, axis))
+                    continue
                 found.append(_Sparse(variable.path, layer, variable, None, axis % value.ndim,
                                      "2:4", values, meta, lambda v=variable: v.value))
     _dedupe_names(found)
     return found
+
+
+def _warn_if_drifted(name: str, w: np.ndarray, tiny: float = 1e-3) -> None:
+    """Warns when a plain kernel that is not exactly 2:4 is 2:4 up to tiny values in most groups:
+    a pruned kernel trained on after `strip()` (no masks: its zeros drift away from zero). It is
+    stored dense, which the user most likely did not mean; a dense kernel has almost no such
+    group (two of four values below `tiny` of the largest)."""
+    k, n = w.shape
+    if k % 4 or not w.size:
+        return
+    big = np.abs(w) > tiny * np.abs(w).max()
+    near = (big.reshape(k // 4, 4, n).sum(axis=1) <= 2).mean()
+    if near >= 0.5:
+        warnings.warn(
+            f"export: weight {name!r} is stored dense: it is not exactly 2:4, but {near:.0%} of "
+            f"its groups are 2:4 up to values below {tiny:g} of its largest (a pruned kernel "
+            "trained after strip(), without masks?). prune() the model again (and fine-tune it "
+            "with its masks) to store it compressed.",
+            stacklevel=4,
+        )
 
 
 def _as_computed(layer: keras.layers.Layer, variable: keras.Variable, value) -> np.ndarray:
