@@ -1085,6 +1085,43 @@ def test_nested_outputs_under_a_dict_get_one_key_per_leaf_and_repeated_names_a_s
     assert sorted(export(twice, tmp_path / "2")["signature"]["outputs"]) == ["first", "first_1"]
 
 
+@pytest.mark.parametrize("mode", ["portable", "accelerated"])
+def test_keras_tfsmlayer_reloads_exports_through_serve(mixed, tmp_path, mode):
+    """`keras.layers.TFSMLayer`, Keras 3's way to reuse a SavedModel, calls the `serve` endpoint
+    (its default) as the model is called: one tensor, a list or a dict, returning the model's
+    output structure. It copies every variable the endpoint reads, so the kernels rebuilt at load
+    (conv, LSTM; every kernel in portable mode) must have their full shape there."""
+    if mode == "accelerated":
+        export(mixed["model"], tmp_path / "mixed" / "1", mode=mode)
+    path = mixed["portable"] if mode == "portable" else str(tmp_path / "mixed" / "1")
+    reloaded = keras.layers.TFSMLayer(path)
+    np.testing.assert_allclose(reloaded(mixed["x"]), mixed["y"], atol=1e-5)
+    pixels = keras.Input((8, 8, 4))
+    inner = keras.Model(pixels, reloaded(pixels))
+    np.testing.assert_allclose(inner.predict(mixed["x"], verbose=0), mixed["y"], atol=1e-5)
+    conv = mixed["model"].get_layer("sparse24_conv").layer.kernel
+    assert tuple(conv.shape) in {tuple(w.shape) for w in reloaded.weights}
+
+    rng = np.random.default_rng(2)
+    for kind, model in two_input_models().items():
+        model = tf_sparse24.prune(model)
+        x = {n: rng.standard_normal((3, 8)).astype("float32") for n in ("a", "b")}
+        x = x if kind == "dict" else [x["a"], x["b"]]
+        export(model, tmp_path / kind / "1", mode=mode)
+        served = keras.layers.TFSMLayer(tmp_path / kind / "1")(x)
+        np.testing.assert_allclose(served, model(x), rtol=1e-5, atol=1e-6)
+    inp = keras.Input((8,), name="x")
+    first, second = keras.layers.Dense(4)(inp), keras.layers.Dense(8)(inp)
+    nested = tf_sparse24.prune(keras.Model(inp, {"y": [first, second], "z": first}))
+    export(nested, tmp_path / "nested" / "1", mode=mode)
+    x = rng.standard_normal((2, 8)).astype("float32")
+    served, want = keras.layers.TFSMLayer(tmp_path / "nested" / "1")(x), nested(x)
+    assert keras.tree.map_structure(lambda t: t.shape, served) == keras.tree.map_structure(
+        lambda t: t.shape, want)
+    for got, ref in zip(keras.tree.flatten(served), keras.tree.flatten(want)):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_accelerated_dense_on_a_lookups_integer_or_sparse_one_hot(sparse, tmp_path):
     """StringLookup's multi-hot is int64 (Keras' matmul promotes it); a sparse one is a

@@ -554,7 +554,9 @@ def _chosen_name(layer, name: str) -> str:
 class _DenseKernel(tf.saved_model.experimental.TrackableResource):
     """A pruned kernel rebuilt once, when the SavedModel loads, into a dense variable.
 
-    Only `values` and `meta` hold the kernel: `variable` has no fixed shape and is saved empty.
+    Only `values` and `meta` hold the kernel: `variable` has the kernel's full shape (Keras'
+    `TFSMLayer` copies a loaded model's variables by shape) but no value in the checkpoint
+    (`_unsaved`: 0 bytes).
     Loading (`tf.saved_model.load`, or the init op that TensorFlow Serving and `saved_model_cli`
     run after restoring the variables) calls `_initialize`, which decompresses into it; serving
     then reads a plain dense kernel, so a layer runs at dense speed. The variable is an ordinary
@@ -570,8 +572,7 @@ class _DenseKernel(tf.saved_model.experimental.TrackableResource):
         self._values, self._meta, self._k, self._shape = values, meta, k, list(shape)
         self._dtype = tf.as_dtype(dtype)  # the Keras variable's (values may be stored narrower)
         self._decompress = decompress
-        self.variable = tf.Variable(tf.zeros([0], self._dtype), trainable=False,
-                                    shape=tf.TensorShape(None))
+        self.variable = _unsaved(tf.Variable(tf.zeros(self._shape, self._dtype), trainable=False))
         self._unused_name = f"tf_sparse24_unused_{uuid.uuid4().hex}"
         super().__init__()
         self._track_trackable(self.variable, name="variable")
@@ -585,6 +586,28 @@ class _DenseKernel(tf.saved_model.experimental.TrackableResource):
 
     def read(self) -> tf.Tensor:
         return tf.reshape(self.variable.value(), self._shape)
+
+
+def _unsaved(variable: tf.Variable) -> tf.Variable:
+    """`variable`, kept out of the SavedModel's checkpoint: both the object-based one
+    (`tf.saved_model.load`) and the `saver_def` a session loader restores (TensorFlow Serving),
+    which TensorFlow builds from the variable's copy in the exported graph. Its shape and dtype stay
+    in the object graph; the value is left uninitialized until something assigns it.
+
+    Uses TensorFlow's per-object hooks (`_serialize_to_tensors`, which TensorFlow looks up on the
+    instance first, and `_export_to_saved_model_graph`), pinned with TensorFlow 2.21.
+    """
+    export_to_graph = variable._export_to_saved_model_graph
+
+    def export_unsaved(object_map=None, tensor_map=None, options=None, **kwargs):
+        handles = export_to_graph(object_map=object_map, tensor_map=tensor_map, options=options,
+                                  **kwargs)
+        object_map[variable]._serialize_to_tensors = dict
+        return handles
+
+    variable._serialize_to_tensors = dict
+    variable._export_to_saved_model_graph = export_unsaved
+    return variable
 
 
 def einsum_matmul(equation: str) -> int | None:
@@ -754,6 +777,21 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
     return tf.function(serve, input_signature=specs, autograph=False), caches, read, wide
 
 
+def _keras_serve(model, specs, keys, serving, output_structure) -> tf.function:
+    """The `serve` endpoint, as Keras' `model.export` writes it: called as the model is (one input
+    structure: a tensor, a list, a dict), returning the model's output structure, so
+    `keras.layers.TFSMLayer` can call it. It runs `serving` (the flat, named signature)."""
+    arguments = model_arguments(model, specs, keys)
+
+    def serve(*args):
+        flat = [args[0][k] for k in keys] if keys is not None else keras.tree.flatten(args)
+        named = serving(*flat)
+        outputs = [named[name] for name in signature_output_names(model, output_structure)]
+        return keras.tree.pack_sequence_as(output_structure, outputs)
+
+    return tf.function(serve, input_signature=list(arguments), autograph=False)
+
+
 def _used_uncast(
     tensor: tf.Tensor, dtype, needed: set[str] | None, mask: tf.Tensor | None
 ) -> bool:
@@ -816,7 +854,8 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
     # vocabulary).
     module.tables = _table_resources(model)
 
-    output_names = signature_output_names(model, _probe_outputs(model, specs, keys))
+    output_structure = _probe_outputs(model, specs, keys)
+    output_names = signature_output_names(model, output_structure)
     calls = {}  # index in `sparse` -> its _SparseCall
     if mode == "accelerated":
         for i, s in enumerate(sparse):
@@ -847,7 +886,7 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
             meta[i] = tf.Variable(s.meta, trainable=False)
         module.sparse_values, module.sparse_meta = values, meta  # tracked lists are append-only
     module.dense_kernels = list(caches.values())
-    module.serve = serving
+    module.serve = _keras_serve(model, specs, keys, serving, output_structure)
     kernel = {
         id(s.variable): "sparse24_matmul" if i in calls else "dense_at_load"
         for i, s in enumerate(sparse)
