@@ -7,6 +7,7 @@ import tf_sparse24, `saved_model_cli`, and a dense SavedModel of the same variab
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
 from tf_sparse24 import portable
 from tf_sparse24.export import (
+    _always_2to4,
     einsum_matmul,
     export,
     graph_ops,
@@ -769,6 +771,36 @@ def test_unpruned_model_is_rejected_and_nothing_written(tmp_path):
     with pytest.raises(ValueError, match="no 2:4 sparse weights"):
         export(model, tmp_path / "m" / "1")
     assert not (tmp_path / "m").exists()
+
+
+def test_a_pattern_that_is_not_always_2to4_is_named_in_the_error(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, name="wide")])
+    with pytest.raises(ValueError, match=r"'wide/kernel'.*pattern '4:8'.*only 2:4"):
+        export(tf_sparse24.prune(model, pattern="4:8"), tmp_path / "m" / "1")
+    assert not (tmp_path / "m").exists()
+    export(tf_sparse24.prune(model, pattern="2:8"), tmp_path / "m" / "1")  # always 2:4
+
+
+def most_kept_in_a_window_of_4(n: int, m: int) -> int:
+    """Brute force over every N:M mask of one period (lcm(4, M) elements): the most elements any
+    aligned window of 4 keeps."""
+    period = np.lcm(4, m)
+    choices = list(itertools.combinations(range(m), n))
+    most = 0
+    for picks in itertools.product(choices, repeat=period // m):
+        mask = np.zeros(period, int)
+        for g, kept in enumerate(picks):
+            mask[[g * m + i for i in kept]] = 1
+        most = max(most, int(mask.reshape(-1, 4).sum(axis=1).max()))
+    return most
+
+
+@pytest.mark.parametrize("pattern", ["1:2", "1:3", "2:4", "1:4", "2:5", "2:6", "3:6", "1:8",
+                                     "2:8", "3:8", "4:8", "2:12", "3:12"])
+def test_always_2to4_matches_brute_force(pattern):
+    n, m = (int(v) for v in pattern.split(":"))
+    assert _always_2to4(pattern) == (most_kept_in_a_window_of_4(n, m) <= 2)
 
 
 def test_bad_arguments(mixed, tmp_path):

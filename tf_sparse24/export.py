@@ -50,11 +50,11 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.utils.naming import to_snake_case
 
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
 from tf_sparse24 import portable
+from tf_sparse24.masks import parse_pattern
 from tf_sparse24.metadata import ExportError
 from tf_sparse24.prune import walk_layers
 from tf_sparse24.registry import eligible_weights, own_variables
@@ -314,11 +314,35 @@ def nonstock_ops(ops: set[str]) -> set[str]:
 # --- Finding and compressing the 2:4 weights --------------------------------------------------
 
 
-def _compress(name: str, value: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+def _compress(
+    name: str, value: np.ndarray, axis: int, pattern: str = "2:4"
+) -> tuple[np.ndarray, np.ndarray]:
     try:
         return fmt.compress(fmt.to_2d(value, axis))
     except ValueError as e:
-        raise ValueError(f"weight {name!r} (shape {list(value.shape)}, axis {axis}): {e}") from e
+        why = "" if _always_2to4(pattern) else (
+            f" It was pruned with pattern {pattern!r}, which can keep more than 2 of 4 "
+            "consecutive weights; sparse24/v1 stores only 2:4: prune() with a pattern that is "
+            "always 2:4 ('2:4', '1:4', '2:8', ...) to export it compressed."
+        )  # fmt: skip
+        raise ValueError(
+            f"weight {name!r} (shape {list(value.shape)}, axis {axis}): {e}.{why}"
+        ) from e
+
+
+def _always_2to4(pattern: str) -> bool:
+    """Whether every mask of `pattern` (N:M, groups of M from the axis' start) keeps at most 2 of
+    each 4 consecutive elements from the start: the most any aligned window of 4 can hold."""
+    n, m = parse_pattern(pattern)
+    period = math.lcm(4, m)
+    for start in range(0, period, 4):
+        kept = 0
+        for group in range(start // m, (start + 3) // m + 1):
+            overlap = min(start + 4, (group + 1) * m) - max(start, group * m)
+            kept += min(n, overlap)
+        if kept > 2:
+            return False
+    return True
 
 
 def _sparse_weights(model: keras.Model) -> list[_Sparse]:
@@ -336,7 +360,7 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
             for pw in layer.pruned_weights:
                 effective = functools.partial(layer.effective_weight, pw)
                 value = _as_computed(layer.layer, pw.variable, effective())
-                values, meta = _compress(pw.variable.path, value, pw.axis)
+                values, meta = _compress(pw.variable.path, value, pw.axis, pw.pattern)
                 found.append(_Sparse(pw.variable.path, layer.layer, pw.variable, pw.mask,
                                      pw.axis % value.ndim, pw.pattern, values, meta, effective))
         elif id(layer) not in wrapped and not isinstance(layer, keras.Model):
@@ -545,10 +569,17 @@ def _chosen_name(layer, name: str) -> str:
     if isinstance(layer, Sparse24):
         layer, name = layer.layer, layer.layer.name
     if layer is not None and re.fullmatch(
-        re.escape(to_snake_case(type(layer).__name__)) + r"(_\d+)?", name
+        re.escape(_auto_name_prefix(type(layer).__name__)) + r"(_\d+)?", name
     ):
         return ""
     return name
+
+
+def _auto_name_prefix(class_name: str) -> str:
+    """The name Keras gives a layer of this class by default, before its counter: the class name
+    in snake case ("EinsumDense" -> "einsum_dense", "Conv2D" -> "conv2d", "PReLU" -> "p_re_lu")."""
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", re.sub(r"\W+", "", class_name))
+    return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
 
 
 class _DenseKernel(tf.saved_model.experimental.TrackableResource):
