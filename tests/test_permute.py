@@ -986,6 +986,73 @@ def test_permute_copies_an_adapted_lookup():
         (("embedding",), ("d0",)), (("d0",), ("d1",))]  # the embedding table's columns too
 
 
+def _normalized_chain(normalization, shape=(12,), seed=41):
+    """Dense 'd0' -> `normalization` (adapted here unless given constants) -> Dense 'd1'."""
+    rng = np.random.default_rng(seed)
+    inputs = keras.Input(shape)
+    h = keras.layers.Dense(16, name="d0", bias_initializer="random_normal")(inputs)
+    if normalization.input_mean is None:  # per-channel statistics far from 0 and 1, all distinct
+        data = rng.normal(size=(64, *shape[:-1], 16)) * rng.uniform(0.2, 5.0, 16) + np.arange(16)
+        normalization.adapt(data.astype("float32"))
+    model = keras.Model(inputs, keras.layers.Dense(8, name="d1")(normalization(h)))
+    return model, _x(8, *shape, seed=seed + 1)
+
+
+def test_permute_reorders_an_adapted_normalizations_statistics():
+    # Keras computes from tensors that finalize_state() makes from the mean/variance weights.
+    model, x = _normalized_chain(keras.layers.Normalization(name="norm"))
+    expected = _outputs(model, x)
+    kernels = {n: model.get_layer(n).kernel.numpy() for n in ("d0", "d1")}
+    bias, (mean, variance, _) = model.get_layer("d0").bias.numpy(), model.get_layer(
+        "norm").get_weights()
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    np.testing.assert_allclose(_outputs(permuted, x), expected, rtol=1e-5, atol=1e-5)
+    (report,) = [r for r in reports if r.consumers == ("d1",)]
+    assert report.permuted and report.producers == ("d0",)
+    assert report.kept_after > report.kept_before
+    # The order applied, read off d1's kernel rows: d0's columns and the statistics moved alike.
+    d1 = permuted.get_layer("d1").kernel.numpy()
+    perm = np.array([np.flatnonzero((kernels["d1"] == row).all(axis=1))[0] for row in d1])
+    assert sorted(perm) == list(range(16)) and (perm != np.arange(16)).any()
+    np.testing.assert_array_equal(d1, kernels["d1"][perm])
+    np.testing.assert_array_equal(permuted.get_layer("d0").kernel.numpy(), kernels["d0"][:, perm])
+    np.testing.assert_array_equal(permuted.get_layer("d0").bias.numpy(), bias[perm])
+    norm = permuted.get_layer("norm")
+    new_mean, new_variance, _ = norm.get_weights()
+    np.testing.assert_array_equal(new_mean, mean[perm])
+    np.testing.assert_array_equal(new_variance, variance[perm])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(norm.mean).ravel(), mean[perm])
+    np.testing.assert_array_equal(model.get_layer("norm").get_weights()[0], mean)  # untouched
+
+
+def test_permute_normalizations_it_cannot_reorder_stop_the_space():
+    # Per-channel constants are no weights to reorder; statistics over another axis (as long as
+    # the channels here) do not follow the channels.
+    for normalization, shape, why in [
+        (keras.layers.Normalization(mean=np.arange(16.0), variance=np.arange(1.0, 17.0),
+                                    name="norm"), (12,), "constants given to its constructor"),
+        (keras.layers.Normalization(axis=1, name="norm"), (16, 12), "cannot be permuted"),
+    ]:
+        model, x = _normalized_chain(normalization, shape)
+        weights = model.get_layer("norm").get_weights()
+
+        permuted, reports = permute(model, kicks=1, progress=False)
+
+        _assert_same_function(model, permuted, x)
+        (report,) = [r for r in reports if r.consumers == ("d1",)]
+        assert not report.permuted and "'norm' (Normalization)" in report.reason
+        assert why in report.reason
+        for before, after in zip(weights, permuted.get_layer("norm").get_weights()):
+            np.testing.assert_array_equal(before, after)
+    # Scalar constants treat every channel alike: the space goes through.
+    model, x = _normalized_chain(keras.layers.Normalization(mean=3.0, variance=2.0))
+    permuted, reports = permute(model, kicks=1, progress=False)
+    _assert_same_function(model, permuted, x)
+    assert [r.consumers for r in reports if r.permuted] == [("d1",)]
+
+
 def test_permute_skips_a_layer_shared_with_a_nested_model():
     shared = keras.layers.Dense(16, name="s")
     inner_inputs = keras.Input((16,))

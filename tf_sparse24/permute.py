@@ -12,9 +12,9 @@ Two parts:
   layers are searched in random blocks of channels, so the cost stays linear in their width.
 - `permute(model)`: applies searches to a Keras Functional/Sequential model, permuting each
   eligible layer's input channels together with the output channels of the layers that produce
-  them (kernel columns, bias, BatchNormalization parameters in between; across residual adds all
-  branches and all readers of the sum; through concatenations as a slice), and reports per-space
-  gains and skip reasons.
+  them (kernel columns, bias, BatchNormalization or Normalization statistics in between; across
+  residual adds all branches and all readers of the sum; through concatenations as a slice), and
+  reports per-space gains and skip reasons.
 
 Metric (apex ASP's `permutation_tests`): efficacy = (lost_plain - lost_permuted) /
 (lost_plain - lost_rows50), where "lost" is the magnitude 2:4 discards and lost_rows50 is what
@@ -452,7 +452,9 @@ _ELEMENTWISE_OPS = {
     "Cast", "StopGradient",
 }  # fmt: skip
 _CHANNEL_SOFTMAX_OPS = {"Softmax", "LogSoftmax"}  # symmetric over the channels when axis=-1
-_PER_CHANNEL = {"BatchNormalization", "LayerNormalization", "RMSNormalization"}  # [C] weights
+_PER_CHANNEL = {  # [C] weights; an adapted Normalization computes from them once refreshed
+    "BatchNormalization", "LayerNormalization", "RMSNormalization", "Normalization",
+}  # fmt: skip
 # Per-channel spatial filters (depth_multiplier 1): kernel [..., C, 1] and bias [C], permuted too.
 _DEPTHWISE = {"DepthwiseConv1D", "DepthwiseConv2D"}
 # Depthwise then pointwise: depthwise_kernel [..., C, m], pointwise_kernel [..., C * m, out].
@@ -1052,6 +1054,8 @@ def _passes(layer) -> bool:
         return layer.depth_multiplier == 1
     if _grouped_depthwise(layer):
         return True
+    if kind == "Normalization" and layer.input_mean is not None:
+        return False  # constants, not weights: only a trial run can tell (`_probe`)
     if kind in (*_PER_CHANNEL, "Softmax"):  # normalizes over an axis: the channel axis only
         axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
         return list(axis) in ([-1], [len(layer.input.shape) - 1])
@@ -1190,6 +1194,7 @@ def _commutes_when_run(graph: _Graph, name: str, move_inputs: bool) -> bool:
         moved = [x[..., perm] for x in inputs] if move_inputs else inputs
         if weights:  # scalars (ReZero's alpha) stay as they are
             copy.set_weights([w[..., perm] if w.ndim else w for w in weights])
+            _refresh_statistics(copy)
         out = copy(moved, **mode) if packed else copy(*moved, **mode)
         return keras.ops.convert_to_numpy(out).astype("float64")
 
@@ -1378,6 +1383,10 @@ def _space(graph: _Graph, seed: str) -> _Space:
 def _cannot(graph: _Graph, name: str) -> str:
     """'cannot be permuted', and why not for a custom layer whose call was not followed."""
     why = graph.unfollowed.get(name)
+    op = graph.ops.get(name)
+    if not why and _keras_kind(op) == "Normalization" and op.input_mean is not None:
+        why = ("its mean and variance are constants given to its constructor, not weights that "
+               "could be reordered: adapt() it instead")
     return f"cannot be permuted ({why})" if why else "cannot be permuted"
 
 
@@ -1574,7 +1583,8 @@ def permute(
     tables; and that "consumers" read: Dense/ConvND, SeparableConv (depth_multiplier 1), EinsumDense
     and those attention layers (their query, key and value projections, per call argument), through
     activations, dropout, pooling, reshapes that keep the last axis, BatchNormalization,
-    LayerNormalization, RMSNormalization, depthwise convolutions with depth_multiplier 1
+    LayerNormalization, RMSNormalization, an adapted Normalization (its per-channel mean and
+    variance are reordered and made current), depthwise convolutions with depth_multiplier 1
     (DepthwiseConv, or ConvND with groups equal to its channels), elementwise merges such as
     residual adds and squeeze-excite products, which join their inputs' spaces (merge layers or
     keras ops: `x + y`, `x * keras.ops.relu6(x + 3.0) / 6.0`; a one-channel input broadcast over the
@@ -1762,10 +1772,12 @@ def _rounding_sensitivity(copy: keras.Model, inputs, index: int, eps: float,
     try:
         copy.set_weights([w * (1 + eps * rng.choice([-1.0, 1.0], size=w.shape)).astype(w.dtype)
                           if w.dtype.kind == "f" else w for w in weights])
+        _refresh_statistics(copy)
         moved = _outputs(copy, inputs)[0][index]
         return float(np.nanmax(np.abs(moved - output), initial=0.0))
     finally:
         copy.set_weights(weights)
+        _refresh_statistics(copy)
 
 
 def _permute(model, layers, search_options: dict, max_channels, progress, follow: bool) -> tuple:
@@ -1856,6 +1868,17 @@ def _copy_of(copies: dict, name: str, op: keras.Operation) -> keras.Operation:
     return new
 
 
+def _refresh_statistics(layer: keras.layers.Layer) -> None:
+    """Makes every adapted `keras.layers.Normalization` in `layer` (itself included) compute from
+    its weights again after they were written: it computes from `mean`/`variance` tensors that only
+    `finalize_state()` rebuilds from its `mean`/`variance` weights (`adapt()` and loading call it;
+    `assign` and `set_weights` do not). Other layers are left alone (a lookup's `finalize_state`
+    rebuilds its vocabulary)."""
+    for sub in [layer, *walk_layers(layer)]:
+        if isinstance(sub, keras.layers.Normalization) and sub.built:
+            sub.finalize_state()  # a no-op for constants given to the constructor
+
+
 def _apply(graph: _Graph, copies: dict, space: _Space, perm: np.ndarray) -> None:
     """Permutes, in the copies, at each layer's offset, the producers' output channels, the
     per-channel weights in between and the consumers' input channels (a layer can be both:
@@ -1875,6 +1898,7 @@ def _apply(graph: _Graph, copies: dict, space: _Space, perm: np.ndarray) -> None
         for variable, axis, _ in _writes(layer) or [  # or a producer found by `_probe`
                 _Axis(w, w.ndim - 1) for w in layer.weights]:
             take(variable, axis, offset)
+        _refresh_statistics(layer)
     for name, offset in space.through.items():
         # BatchNormalization/LayerNormalization: [C]; probed layers: [..., C]; depthwise: kernel
         # [..., C, 1], bias [C]; grouped depthwise ConvND: kernel [..., 1, C], bias [C]; keras ops
@@ -1886,6 +1910,8 @@ def _apply(graph: _Graph, copies: dict, space: _Space, perm: np.ndarray) -> None
                 continue
             depthwise = _keras_kind(layer) in _DEPTHWISE and variable.ndim > 1
             take(variable, variable.ndim - 2 if depthwise else variable.ndim - 1, offset)
+        if layer is not None:
+            _refresh_statistics(layer)
     for name, offset in space.consumers.items():
         axes = _reads(copy_of(name))
         for role in space.reads[name]:
