@@ -80,6 +80,39 @@ def test_recalibration_sets_size_weighted_batch_moments(source):
         np.testing.assert_array_equal(before, after)  # no weight changed
 
 
+def _siamese():
+    """One Dense -> BatchNormalization tower shared by two inputs (its layers run twice per
+    forward), seeded weights and stale statistics."""
+    tower = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="dense"),
+                              keras.layers.BatchNormalization(name="bn")], name="tower")
+    a, b = keras.Input((8,), name="a"), keras.Input((8,), name="b")
+    model = keras.Model([a, b], keras.layers.Concatenate()([tower(a), tower(b)]))
+    rng = np.random.default_rng(3)
+    model.set_weights([rng.normal(size=w.shape).astype("float32") for w in model.get_weights()])
+    tower.get_layer("bn").moving_variance.assign(rng.uniform(0.5, 2.0, 4).astype("float32"))
+    return model, tower
+
+
+def test_a_layer_called_twice_per_forward_averages_the_statistics_of_every_call():
+    model, tower = _siamese()
+    rng = np.random.default_rng(4)  # branches far apart: the last call alone is far from the mean
+    xa = rng.normal(size=(100, 8)).astype("float32")  # batches of 32+32+32+4
+    xb = rng.normal(3.0, 2.0, size=(100, 8)).astype("float32")
+
+    assert tf_sparse24.recalibrate_batch_norm(model, [xa, xb], batch_size=32) == ["bn"]
+
+    kernel, bias = (w.astype("float64") for w in tower.get_layer("dense").get_weights())
+    sums = [0, 0]
+    for start in range(0, 100, 32):
+        for x in (xa, xb):  # one batch statistic per call, weighted by its rows
+            y = x[start:start + 32].astype("float64") @ kernel + bias
+            sums = [sums[0] + len(y) * y.mean(axis=0), sums[1] + len(y) * y.var(axis=0)]
+    bn = tower.get_layer("bn")
+    np.testing.assert_allclose(bn.moving_mean.numpy(), sums[0] / 200, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), sums[1] / 200, rtol=1e-4, atol=1e-5)
+    assert bn.momentum == 0.99 and "call" not in vars(bn)  # the layer is left as it was
+
+
 def test_steps_limits_the_batches():
     model = _model()
     x = np.random.default_rng(2).normal(size=(96, 6, 6, 4)).astype("float32")
@@ -104,6 +137,7 @@ def test_a_failing_batch_restores_every_statistic_and_setting():
         for a, b in zip(stats, before[name]):
             np.testing.assert_array_equal(a, b)
     assert model.get_layer("bn2").momentum == 0.99 and not model.get_layer("bn2").trainable
+    assert "call" not in vars(model.get_layer("bn2"))  # the per-call hook is removed too
 
 
 def test_bad_input_is_refused_before_anything_changes():

@@ -11,8 +11,9 @@ that is not fine-tuned, or before fine-tuning starts.
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import keras
 import numpy as np
@@ -37,14 +38,42 @@ def _input_batches(x, batch_size: int) -> Iterable:
             yield element[0] if isinstance(element, tuple) else element
 
 
+def _averaging_call(layer: keras.layers.BatchNormalization) -> Callable:
+    """A `call` for `layer` that sets its `momentum` before each training-mode call, so that its
+    moving statistics end as the average of the batch statistics of all its calls, each weighted
+    by its rows: `moving = (seen * moving + rows * batch) / (seen + rows)` per call, however many
+    times one forward calls the layer (a tower shared by two branches runs it twice)."""
+    call = layer.call
+    signature = inspect.signature(call)
+    seen = 0
+
+    def averaging_call(*args, **kwargs):
+        nonlocal seen
+        arguments = signature.bind(*args, **kwargs).arguments
+        if arguments.get("training"):  # BatchNormalization updates its statistics on this call
+            if not tf.executing_eagerly():
+                raise RuntimeError(
+                    f"recalibrate_batch_norm(): layer {layer.name!r} was called inside a "
+                    "tf.function; its calls cannot be counted there. Run the model eagerly.")
+            rows = int(keras.ops.shape(next(iter(arguments.values())))[0])
+            layer.momentum = seen / (seen + rows)
+            seen += rows
+        return call(*args, **kwargs)
+
+    return averaging_call
+
+
 def recalibrate_batch_norm(
     model: keras.Model, x, *, batch_size: int = 32, steps: int | None = None
 ) -> list[str]:
     """Re-estimates the moving mean and variance of every BatchNormalization layer of `model`.
 
     Runs `model(batch, training=True)` over the batches of `x` and sets each layer's moving
-    statistics to the average of its batch statistics, weighted by batch size (its `momentum` is
-    set per batch for that, then restored). Weights are not changed; layers with
+    statistics to the average of its batch statistics (biased variance), weighted by batch size.
+    A layer that one forward calls several times (shared by two branches) averages the
+    statistics of every call, as if each were a batch of its own. For that each layer's `momentum`
+    is set before each of its calls, by a `call` set on the layer; both are restored afterwards,
+    even on error. The model must run eagerly. Weights are not changed; layers with
     `trainable=False` are recalibrated too. Use training inputs, after `tf_sparse24.prune` or
     `strip` (in bench/bn_recalibration.py 1,024 samples did as well as 4,000). Under a
     `tf.distribute` strategy, pass arrays or a plain (not distributed) Dataset: batches run whole,
@@ -66,6 +95,7 @@ def recalibrate_batch_norm(
             BatchNormalization layer with `renorm=True` (its statistics are coupled to renorm's).
             If a batch fails in the model, every layer's statistics are restored before the error
             propagates: nothing is half-updated.
+        RuntimeError: a BatchNormalization layer was called inside a `tf.function`.
     """
     if not model.built:
         raise ValueError(f"recalibrate_batch_norm(): model {model.name!r} is not built.")
@@ -73,33 +103,36 @@ def recalibrate_batch_norm(
         raise ValueError(f"batch_size and steps must be positive; got {batch_size}, {steps}.")
     layers = _batch_norms(model)
     if renorm := [layer.name for layer in layers if layer.renorm]:
-        raise ValueError(f"recalibrate_batch_norm(): layers {renorm} use renorm=True; not supported.")
+        raise ValueError(
+            f"recalibrate_batch_norm(): layers {renorm} use renorm=True; not supported.")
     if not layers:
         warnings.warn(f"model {model.name!r} has no BatchNormalization layer: nothing to do.",
                       stacklevel=2)
         return []
-    saved = [(layer.momentum, layer.trainable, layer.moving_mean.numpy(),
+    saved = [(layer.momentum, layer.trainable, vars(layer).get("call"), layer.moving_mean.numpy(),
               layer.moving_variance.numpy()) for layer in layers]
-    seen = 0
+    batches = 0
     try:
         for layer in layers:
             layer.trainable = True  # a frozen BatchNormalization runs in inference mode
+            layer.call = _averaging_call(layer)  # this instance only: restored below
         for step, batch in enumerate(_input_batches(x, batch_size)):
             if steps is not None and step >= steps:
                 break
-            rows = int(keras.ops.shape(keras.tree.flatten(batch)[0])[0])
-            for layer in layers:  # moving = (seen * moving + rows * batch) / (seen + rows)
-                layer.momentum = seen / (seen + rows)
             model(batch, training=True)
-            seen += rows
-        if not seen:
+            batches += 1
+        if not batches:
             raise ValueError("recalibrate_batch_norm(): `x` yielded no batch.")
     except BaseException:
-        for layer, (_, _, mean, variance) in zip(layers, saved):
+        for layer, (*_, mean, variance) in zip(layers, saved):
             layer.moving_mean.assign(mean)
             layer.moving_variance.assign(variance)
         raise
     finally:
-        for layer, (momentum, trainable, _, _) in zip(layers, saved):
+        for layer, (momentum, trainable, call, _, _) in zip(layers, saved):
             layer.momentum, layer.trainable = momentum, trainable
+            if call is not None:
+                layer.call = call
+            elif "call" in vars(layer):
+                del layer.call
     return [layer.name for layer in layers]
