@@ -128,6 +128,72 @@ def test_no_decay_loss_outside_training_or_with_zero_decay():
     assert plain.losses == []
 
 
+FIT_MODES = {
+    "eager": {"run_eagerly": True},
+    "graph": {"jit_compile": False},
+    "xla": {"jit_compile": True},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(FIT_MODES))
+def test_shared_layer_called_twice_per_forward_decays_once(mode):
+    """One wrapped Dense on two inputs (a Siamese model): the decay belongs to the weights, so
+    each step is W - lr * (dL/dW~ + decay * (1 - m) * W) with the decay once, not once per call
+    (that decayed the pruned weights 0.90x a step here instead of 0.95x)."""
+    keras.utils.set_random_seed(6)
+    k, units, batch, lr, decay = 16, 3, 4, 0.1, 0.5
+    rng = np.random.default_rng(6)
+    shared = SRSTE(keras.layers.Dense(units), decay=decay)
+    a, b = keras.Input((k,)), keras.Input((k,))
+    model = keras.Model([a, b], keras.layers.Concatenate()([shared(a), shared(b)]))
+    model.compile(keras.optimizers.SGD(lr), "mse", **FIT_MODES[mode])
+    for _ in range(3):
+        xa, xb = rng.normal(size=(batch, k)), rng.normal(size=(batch, k))
+        t = rng.normal(size=(batch, 2 * units))
+        w, bias = (np.float64(v.numpy()) for v in (shared.layer.kernel, shared.layer.bias))
+        mask = np_mask(w, "2:4", 0)
+        y = np.concatenate([xa @ (w * mask) + bias, xb @ (w * mask) + bias], axis=1)
+        pruned = (~mask) * w
+        dya, dyb = np.split(2 * (y - t) / y.size, 2, axis=1)
+        expected_w = w - lr * (xa.T @ dya + xb.T @ dyb + decay * pruned)
+        expected_b = bias - lr * (dya.sum(0) + dyb.sum(0))
+        expected_loss = np.mean((y - t) ** 2) + 0.5 * decay * np.sum(pruned**2)
+
+        x32 = [xa.astype("float32"), xb.astype("float32")]
+        history = model.fit(x32, t.astype("float32"), batch_size=batch, verbose=0)
+
+        kernel = shared.layer.kernel.numpy()
+        np.testing.assert_allclose(kernel[~mask], expected_w[~mask], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(kernel, expected_w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(shared.layer.bias.numpy(), expected_b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(history.history["loss"], [expected_loss], rtol=1e-5)
+
+
+def test_model_losses_hold_one_decay_per_wrapped_layer_and_the_inner_losses_per_call():
+    """A shared SR-STE layer (called twice) and a head: two decay terms, while the shared inner
+    layer's activity regulariser, a loss of the call, still counts once per call."""
+    rng = np.random.default_rng(7)
+    shared = SRSTE(keras.layers.Dense(4, activity_regularizer=keras.regularizers.L2(0.1)), decay=1)
+    head = SRSTE(keras.layers.Dense(4), decay=1)
+    a, b = keras.Input((8,)), keras.Input((8,))
+    model = keras.Model([a, b], head(keras.layers.Concatenate()([shared(a), shared(b)])))
+    xa, xb = rng.normal(size=(2, 2, 8)).astype("float32")
+
+    def expected_decay(layer):
+        w = np.float64(layer.layer.kernel.numpy())
+        return 0.5 * np.sum(((~np_mask(w, "2:4", 0)) * w) ** 2)
+
+    w, bias = np.float64(shared.layer.kernel.numpy()), shared.layer.bias.numpy()
+    activity = [
+        0.1 * np.sum((x @ (w * np_mask(w, "2:4", 0)) + bias) ** 2) / len(x) for x in (xa, xb)
+    ]
+    expected = sorted([expected_decay(shared), expected_decay(head), *activity])
+    for _ in range(2):  # each forward starts afresh: nothing piles up
+        model([xa, xb], training=True)
+        np.testing.assert_allclose(sorted(map(float, model.losses)), expected, rtol=1e-5)
+    assert [len(shared.losses), len(head.losses)] == [3, 1]
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     pattern=st.sampled_from(["2:4", "1:4", "3:4", "4:8", "1:2"]),

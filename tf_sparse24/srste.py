@@ -69,6 +69,7 @@ class SRSTE(Sparse24):
         super().__init__(layer, pattern, weights, **kwargs)
         self.decay = float(decay)
         self._masks_this_call = None
+        self._decay_loss = None  # the decay tensor this layer last passed to `add_loss`
 
     def current_mask(self, pw: PrunedWeight) -> tf.Tensor:
         """The N:M magnitude mask of the variable's current value, in the variable's dtype (inside
@@ -87,21 +88,30 @@ class SRSTE(Sparse24):
         # call context, so it is not forwarded (layers without a `training` argument would reject it).
         masks = {id(pw.variable): self.current_mask(pw) for pw in self.pruned_weights}
         if training:
-            decay = []
             for pw in self.pruned_weights:
-                mask = masks[id(pw.variable)]
-                pw.mask.assign(tf.cast(mask, pw.mask.dtype))
-                pruned = tf.cast((1 - mask) * stored_value(pw.variable), "float32")
-                decay.append(tf.reduce_sum(tf.square(pruned)))
-            if self.decay and decay:
+                pw.mask.assign(tf.cast(masks[id(pw.variable)], pw.mask.dtype))
+            # The decay belongs to the weights, not to the call: a layer called more than once in
+            # one forward (shared by two branches) adds it once. Keras empties `losses` when an
+            # outer call starts, so the term is there only if this forward already added it.
+            if self.decay and self.pruned_weights and not self._decay_added():
+                decay = []
+                for pw in self.pruned_weights:
+                    pruned = (1 - masks[id(pw.variable)]) * stored_value(pw.variable)
+                    decay.append(tf.reduce_sum(tf.square(tf.cast(pruned, "float32"))))
                 # In floatx, as Keras sums it with the compiled loss (float16 under floatx float16).
                 loss = 0.5 * self.decay * tf.add_n(decay)
-                self.add_loss(tf.cast(loss, keras.config.floatx()))
+                self._decay_loss = tf.cast(loss, keras.config.floatx())
+                self.add_loss(self._decay_loss)
         self._masks_this_call = masks  # computed once per call; `effective_weight` reuses them
         try:
             return super().call(*args, **kwargs)
         finally:
             self._masks_this_call = None
+
+    def _decay_added(self) -> bool:
+        """Whether this forward's losses already hold the decay term (compared by identity: the
+        stored tensor is kept alive, so its id cannot pass to another loss)."""
+        return self._decay_loss is not None and any(x is self._decay_loss for x in self.losses)
 
     def get_config(self):
         return {**super().get_config(), "decay": self.decay}
