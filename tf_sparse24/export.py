@@ -616,7 +616,7 @@ class _DenseKernel(tf.saved_model.experimental.TrackableResource):
         return self.variable.assign(tf.cast(dense, self._dtype))
 
     def read(self) -> tf.Tensor:
-        return tf.reshape(self.variable.value(), self._shape)
+        return self.variable.value()
 
 
 def _unsaved(variable: tf.Variable) -> tf.Variable:
@@ -808,7 +808,7 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
     return tf.function(serve, input_signature=specs, autograph=False), caches, read, wide
 
 
-def _keras_serve(model, specs, keys, serving, output_structure) -> tf.function:
+def _keras_serve(model, specs, keys, serving, output_names, output_structure) -> tf.function:
     """The `serve` endpoint, as Keras' `model.export` writes it: called as the model is (one input
     structure: a tensor, a list, a dict), returning the model's output structure, so
     `keras.layers.TFSMLayer` can call it. It runs `serving` (the flat, named signature)."""
@@ -817,8 +817,7 @@ def _keras_serve(model, specs, keys, serving, output_structure) -> tf.function:
     def serve(*args):
         flat = [args[0][k] for k in keys] if keys is not None else keras.tree.flatten(args)
         named = serving(*flat)
-        outputs = [named[name] for name in signature_output_names(model, output_structure)]
-        return keras.tree.pack_sequence_as(output_structure, outputs)
+        return keras.tree.pack_sequence_as(output_structure, [named[n] for n in output_names])
 
     return tf.function(serve, input_signature=list(arguments), autograph=False)
 
@@ -917,7 +916,7 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
             meta[i] = tf.Variable(s.meta, trainable=False)
         module.sparse_values, module.sparse_meta = values, meta  # tracked lists are append-only
     module.dense_kernels = list(caches.values())
-    module.serve = _keras_serve(model, specs, keys, serving, output_structure)
+    module.serve = _keras_serve(model, specs, keys, serving, output_names, output_structure)
     kernel = {
         id(s.variable): "sparse24_matmul" if i in calls else "dense_at_load"
         for i, s in enumerate(sparse)
