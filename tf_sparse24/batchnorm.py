@@ -19,6 +19,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sparse24.layer_calls import calls_replaced
+
 
 def _batch_norms(model: keras.Model) -> list[keras.layers.BatchNormalization]:
     """Every BatchNormalization layer in `model`, nested models and wrapped layers included."""
@@ -109,30 +111,27 @@ def recalibrate_batch_norm(
         warnings.warn(f"model {model.name!r} has no BatchNormalization layer: nothing to do.",
                       stacklevel=2)
         return []
-    saved = [(layer.momentum, layer.trainable, vars(layer).get("call"), layer.moving_mean.numpy(),
+    saved = [(layer.momentum, layer.trainable, layer.moving_mean.numpy(),
               layer.moving_variance.numpy()) for layer in layers]
     batches = 0
     try:
         for layer in layers:
             layer.trainable = True  # a frozen BatchNormalization runs in inference mode
-            layer.call = _averaging_call(layer)  # this instance only: restored below
-        for step, batch in enumerate(_input_batches(x, batch_size)):
-            if steps is not None and step >= steps:
-                break
-            model(batch, training=True)
-            batches += 1
+        # Each instance's `call` only, for the batches below.
+        with calls_replaced([(layer, _averaging_call(layer)) for layer in layers]):
+            for step, batch in enumerate(_input_batches(x, batch_size)):
+                if steps is not None and step >= steps:
+                    break
+                model(batch, training=True)
+                batches += 1
         if not batches:
             raise ValueError("recalibrate_batch_norm(): `x` yielded no batch.")
     except BaseException:
-        for layer, (*_, mean, variance) in zip(layers, saved):
+        for layer, (_, _, mean, variance) in zip(layers, saved):
             layer.moving_mean.assign(mean)
             layer.moving_variance.assign(variance)
         raise
     finally:
-        for layer, (momentum, trainable, call, _, _) in zip(layers, saved):
+        for layer, (momentum, trainable, _, _) in zip(layers, saved):
             layer.momentum, layer.trainable = momentum, trainable
-            if call is not None:
-                layer.call = call
-            elif "call" in vars(layer):
-                del layer.call
     return [layer.name for layer in layers]

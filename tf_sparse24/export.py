@@ -33,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -54,6 +53,7 @@ import tensorflow as tf
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
 from tf_sparse24 import portable
+from tf_sparse24.layer_calls import calls_replaced
 from tf_sparse24.masks import parse_pattern
 from tf_sparse24.metadata import ExportError
 from tf_sparse24.prune import walk_layers
@@ -724,32 +724,6 @@ def _sparse_call(item: _Sparse, values: tf.Variable, meta: tf.Variable, ops) -> 
     return None
 
 
-_ABSENT = object()
-
-
-@contextlib.contextmanager
-def _calls_replaced(calls: list[_SparseCall]):
-    """Sets each layer's `call` to its `_SparseCall` for the duration of a trace, then restores it.
-
-    `Layer.__call__` (through `Operation.__call__`) runs `self.call`, so an instance attribute
-    takes effect wherever the layer is called: in a Functional graph, a subclassed model's `call`,
-    inside MultiHeadAttention or a `Sparse24` wrapper. `object.__setattr__` keeps Keras' attribute
-    tracking out of it. The user's layer is left exactly as it was.
-    """
-    previous = []
-    try:
-        for call in calls:
-            previous.append((call.layer, vars(call.layer).get("call", _ABSENT)))
-            object.__setattr__(call.layer, "call", call)
-        yield
-    finally:
-        for layer, old in reversed(previous):
-            if old is _ABSENT:
-                object.__delattr__(layer, "call")
-            else:
-                object.__setattr__(layer, "call", old)
-
-
 def _reachable_ops(tensors) -> set[str]:
     """Names of every op the `tensors` depend on (data and control inputs), in one graph."""
     seen, stack = set(), [t.op for t in tensors]
@@ -793,7 +767,8 @@ def _serving_function(model, specs, keys, output_names, module, sparse, dense_va
                 ones[i] = tf.ones(s.mask.shape, s.mask.dtype)
                 mapping.append((s.mask, ones[i]))
         mapping += list(zip(dense_vars, (tf.identity(v) for v in module.dense)))
-        with keras.StatelessScope(state_mapping=mapping), _calls_replaced(list(calls.values())):
+        replaced = [(call.layer, call) for call in calls.values()]
+        with keras.StatelessScope(state_mapping=mapping), calls_replaced(replaced):
             outputs = model(*model_arguments(model, list(inputs), keys), training=False)
         flat, _ = flat_outputs(outputs)
         needed = _reachable_ops(flat)
