@@ -1054,7 +1054,7 @@ def _passes(layer) -> bool:
         return layer.depth_multiplier == 1
     if _grouped_depthwise(layer):
         return True
-    if kind == "Normalization" and layer.input_mean is not None:
+    if _constant_normalization(layer):
         return False  # constants, not weights: only a trial run can tell (`_probe`)
     if kind in (*_PER_CHANNEL, "Softmax"):  # normalizes over an axis: the channel axis only
         axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
@@ -1380,11 +1380,16 @@ def _space(graph: _Graph, seed: str) -> _Space:
                   reasons[0] if reasons else "")
 
 
+def _constant_normalization(layer) -> bool:
+    """A `keras.layers.Normalization` given its mean and variance as constructor constants: they
+    are not weights, so a permutation cannot reorder them."""
+    return _keras_kind(layer) == "Normalization" and layer.input_mean is not None
+
+
 def _cannot(graph: _Graph, name: str) -> str:
     """'cannot be permuted', and why not for a custom layer whose call was not followed."""
     why = graph.unfollowed.get(name)
-    op = graph.ops.get(name)
-    if not why and _keras_kind(op) == "Normalization" and op.input_mean is not None:
+    if not why and _constant_normalization(graph.ops.get(name)):
         why = ("its mean and variance are constants given to its constructor, not weights that "
                "could be reordered: adapt() it instead")
     return f"cannot be permuted ({why})" if why else "cannot be permuted"
