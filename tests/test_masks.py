@@ -6,7 +6,13 @@ import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tf_sparse24.masks import MASK_METHODS, compute_mask, is_nm_sparse, parse_pattern
+from tf_sparse24.masks import (
+    MASK_METHODS,
+    PAIRWISE_MAX_M,
+    compute_mask,
+    is_nm_sparse,
+    parse_pattern,
+)
 
 
 def reference_mask(w: np.ndarray, n: int, m: int, axis: int) -> np.ndarray:
@@ -20,8 +26,8 @@ def reference_mask(w: np.ndarray, n: int, m: int, axis: int) -> np.ndarray:
 
 
 @st.composite
-def weights_and_pattern(draw):
-    m = draw(st.integers(2, 8))
+def weights_and_pattern(draw, m_range=(2, 8)):
+    m = draw(st.integers(*m_range))
     n = draw(st.integers(1, m - 1))
     rank = draw(st.integers(1, 4))
     axis = draw(st.integers(-rank, rank - 1))
@@ -48,13 +54,23 @@ def test_mask_matches_numpy_reference(case):
     assert is_nm_sparse(w * mask, f"{n}:{m}", axis)
 
 
-@pytest.mark.parametrize("n, m", [(3, 130)])
+@settings(max_examples=15, deadline=None)
+@given(weights_and_pattern(m_range=(PAIRWISE_MAX_M - 1, PAIRWISE_MAX_M + 20)))
+def test_long_groups_ranked_by_a_sort_match_the_reference(case):
+    """Either side of PAIRWISE_MAX_M: pairwise comparisons, then a stable sort; the same rule."""
+    w, n, m, axis = case
+    mask = compute_mask(tf.constant(w), f"{n}:{m}", axis=axis).numpy()
+    np.testing.assert_array_equal(mask.astype(bool), reference_mask(w, n, m, axis))
+
+
+@pytest.mark.parametrize("n, m", [(3, 130), (129, 130), (65, 130)])
 def test_groups_longer_than_128_keep_exactly_n(n, m):
-    """The pairwise "beaten by" counts reach M - 1: held in int8 they wrapped past 127 and kept
-    up to 172 of 200 (any 0 < N < M is documented). One case: M(M-1)/2 eager ops are slow."""
+    """In-group counts reach M - 1: held in int8 they wrapped past 127 and kept up to 172 of 200
+    (any 0 < N < M is documented)."""
     w = np.random.default_rng(0).normal(size=(2 * m, 3)).astype(np.float32)
     mask = compute_mask(tf.constant(w), f"{n}:{m}", axis=0).numpy()
     np.testing.assert_array_equal(mask.astype(bool), reference_mask(w, n, m, 0))
+    np.testing.assert_array_equal(mask.reshape(2, m, 3).sum(axis=1), n)
 
 
 def test_tie_rule_keeps_lower_index():
