@@ -159,6 +159,63 @@ def test_bad_input_is_refused_before_anything_changes():
             np.testing.assert_array_equal(a, b)
 
 
+class _TracedForward(keras.Model):
+    """A subclassed model whose forward is a tf.function; `spare` is a BatchNormalization it
+    never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(4)
+        self.bn, self.spare = keras.layers.BatchNormalization(), keras.layers.BatchNormalization()
+        self.traced = tf.function(self.forward)
+
+    def forward(self, x, training):
+        return self.bn(self.dense(x), training=training)
+
+    def call(self, x, training=False):
+        return self.traced(x, training)
+
+
+def _traced_forward_model(x):
+    model = _TracedForward()
+    model.spare.build((None, 4))
+    model.forward(x[:1], False)  # builds the layers eagerly
+    model(x[:32], training=True)  # traces the forward, with BatchNormalization's momentum 0.99
+    return model
+
+
+def test_a_forward_traced_before_recalibration_raises_and_restores():
+    x = np.random.default_rng(5).normal(1.0, size=(64, 8)).astype("float32")
+    model = _traced_forward_model(x)
+    before = [w.numpy() for w in (model.bn.moving_mean, model.bn.moving_variance)]
+
+    # The traced graph updates the statistics with its own momentum, past the counting call.
+    with pytest.raises(RuntimeError, match=rf"statistics of \['{model.bn.name}'\] changed"):
+        tf_sparse24.recalibrate_batch_norm(model, x, batch_size=32)
+    for a, b in zip([model.bn.moving_mean, model.bn.moving_variance], before):
+        np.testing.assert_array_equal(a.numpy(), b)
+    assert model.bn.momentum == 0.99
+
+
+def test_a_layer_the_forward_does_not_call_is_named_and_left_alone():
+    x = np.random.default_rng(6).normal(1.0, size=(64, 8)).astype("float32")
+    model = _TracedForward()
+    model.traced = model.forward  # eager this time
+    model.spare.build((None, 4))
+    model(x[:1])
+    spare = [w.numpy() for w in (model.spare.moving_mean, model.spare.moving_variance)]
+
+    with pytest.warns(UserWarning, match=rf"\['{model.spare.name}'\] were not called"):
+        names = tf_sparse24.recalibrate_batch_norm(model, x, batch_size=32)
+
+    assert names == [model.bn.name]
+    kernel, bias = (w.astype("float64") for w in model.dense.get_weights())
+    y = x.astype("float64") @ kernel + bias
+    np.testing.assert_allclose(model.bn.moving_mean.numpy(), y.mean(0), rtol=1e-4, atol=1e-5)
+    for a, b in zip([model.spare.moving_mean, model.spare.moving_variance], spare):
+        np.testing.assert_array_equal(a.numpy(), b)
+
+
 @pytest.mark.slow
 def test_recalibration_under_mirrored_strategy_sets_every_replica(tmp_path):
     # tests/helpers/bn_mirrored_worker.py: _model() built under MirroredStrategy on 2 logical

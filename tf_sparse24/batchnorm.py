@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import keras
 import numpy as np
@@ -40,29 +40,42 @@ def _input_batches(x, batch_size: int) -> Iterable:
             yield element[0] if isinstance(element, tuple) else element
 
 
-def _averaging_call(layer: keras.layers.BatchNormalization) -> Callable:
+class _AveragingCall:
     """A `call` for `layer` that sets its `momentum` before each training-mode call, so that its
     moving statistics end as the average of the batch statistics of all its calls, each weighted
     by its rows: `moving = (seen * moving + rows * batch) / (seen + rows)` per call, however many
-    times one forward calls the layer (a tower shared by two branches runs it twice)."""
-    call = layer.call
-    signature = inspect.signature(call)
-    seen = 0
+    times one forward calls the layer (a tower shared by two branches runs it twice). `seen`
+    counts the rows: 0 means the forward never reached this `call`."""
 
-    def averaging_call(*args, **kwargs):
-        nonlocal seen
-        arguments = signature.bind(*args, **kwargs).arguments
+    def __init__(self, layer: keras.layers.BatchNormalization):
+        self.layer, self.call = layer, layer.call
+        self.signature = inspect.signature(self.call)
+        self.seen = 0
+
+    def __call__(self, *args, **kwargs):
+        arguments = self.signature.bind(*args, **kwargs).arguments
         if arguments.get("training"):  # BatchNormalization updates its statistics on this call
             if not tf.executing_eagerly():
                 raise RuntimeError(
-                    f"recalibrate_batch_norm(): layer {layer.name!r} was called inside a "
+                    f"recalibrate_batch_norm(): layer {self.layer.name!r} was called inside a "
                     "tf.function; its calls cannot be counted there. Run the model eagerly.")
             rows = int(keras.ops.shape(next(iter(arguments.values())))[0])
-            layer.momentum = seen / (seen + rows)
-            seen += rows
-        return call(*args, **kwargs)
+            self.layer.momentum = self.seen / (self.seen + rows)
+            self.seen += rows
+        return self.call(*args, **kwargs)
 
-    return averaging_call
+
+def _uncounted(calls: list[_AveragingCall], saved: list) -> tuple[list[str], list[str]]:
+    """The layers the forward never ran through their `call`: those whose statistics changed
+    anyway (a tf.function traced before recalibration ran its old graph, with the old momentum)
+    and those left as they were (not called in training mode)."""
+    changed, untouched = [], []
+    for call, (_, _, mean, variance) in zip(calls, saved):
+        if not call.seen:
+            same = (np.array_equal(call.layer.moving_mean.numpy(), mean)
+                    and np.array_equal(call.layer.moving_variance.numpy(), variance))
+            (untouched if same else changed).append(call.layer.name)
+    return changed, untouched
 
 
 def recalibrate_batch_norm(
@@ -90,14 +103,17 @@ def recalibrate_batch_norm(
         steps: use at most this many batches (None: all of `x`).
 
     Returns:
-        The names of the layers recalibrated (empty if the model has no BatchNormalization).
+        The names of the layers recalibrated: those the forward called in training mode (empty
+        if the model has no BatchNormalization). A warning names any other.
 
     Raises:
         ValueError: for an unbuilt model, a bad `batch_size`/`steps`, or no batch in `x`; a
             BatchNormalization layer with `renorm=True` (its statistics are coupled to renorm's).
             If a batch fails in the model, every layer's statistics are restored before the error
             propagates: nothing is half-updated.
-        RuntimeError: a BatchNormalization layer was called inside a `tf.function`.
+        RuntimeError: a BatchNormalization layer was called inside a `tf.function`, or its
+            statistics changed without its `call` being run (a forward traced as a
+            `tf.function` before recalibration); statistics are restored as above.
     """
     if not model.built:
         raise ValueError(f"recalibrate_batch_norm(): model {model.name!r} is not built.")
@@ -113,12 +129,13 @@ def recalibrate_batch_norm(
         return []
     saved = [(layer.momentum, layer.trainable, layer.moving_mean.numpy(),
               layer.moving_variance.numpy()) for layer in layers]
+    calls = [_AveragingCall(layer) for layer in layers]
     batches = 0
     try:
         for layer in layers:
             layer.trainable = True  # a frozen BatchNormalization runs in inference mode
         # Each instance's `call` only, for the batches below.
-        with calls_replaced([(layer, _averaging_call(layer)) for layer in layers]):
+        with calls_replaced([(call.layer, call) for call in calls]):
             for step, batch in enumerate(_input_batches(x, batch_size)):
                 if steps is not None and step >= steps:
                     break
@@ -126,6 +143,13 @@ def recalibrate_batch_norm(
                 batches += 1
         if not batches:
             raise ValueError("recalibrate_batch_norm(): `x` yielded no batch.")
+        changed, untouched = _uncounted(calls, saved)
+        if changed:
+            raise RuntimeError(
+                f"recalibrate_batch_norm(): the statistics of {changed} changed without a call "
+                "of the layer: the model's forward is a tf.function traced before "
+                "recalibration, which runs its old graph (old momentum). Recalibrate a model "
+                "whose forward runs eagerly (its call not a tf.function).")
     except BaseException:
         for layer, (_, _, mean, variance) in zip(layers, saved):
             layer.moving_mean.assign(mean)
@@ -134,4 +158,8 @@ def recalibrate_batch_norm(
     finally:
         for layer, (momentum, trainable, _, _) in zip(layers, saved):
             layer.momentum, layer.trainable = momentum, trainable
-    return [layer.name for layer in layers]
+    if untouched:
+        warnings.warn(f"recalibrate_batch_norm(): {untouched} were not called in training mode "
+                      "by the model's forward (or only in a tf.function traced before): left as "
+                      "they were.", stacklevel=2)
+    return [call.layer.name for call in calls if call.seen]
