@@ -1193,3 +1193,54 @@ def test_report_and_selectors_name_layers_inside_blocks():
         rows["mine"].reason)
     with pytest.raises(ValueError, match=r"no layer named \['b1/ffn/nothing'\]"):
         ts.prune(model, skip=["b1/ffn/nothing"])
+
+
+def _calls_in_a_gradient(model, name: str) -> int:
+    """How many times the layer `name` of `model` runs in one eager forward + gradient: 1, or 2
+    when Keras recomputes its call (a layer made under a RematScope)."""
+    layer = model.get_layer(name)
+    calls, call = [], layer.call
+    layer.call = lambda *args, **kwargs: calls.append(1) or call(*args, **kwargs)
+    try:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(X[:4, 0], training=True)))
+        tape.gradient(loss, model.trainable_variables)
+    finally:
+        del layer.call
+    return len(calls)
+
+
+@keras.saving.register_keras_serializable("test_prune")
+class _NormedHead(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, name="hidden")
+        self.ln = keras.layers.LayerNormalization(name="ln")
+        self.head = ts.Sparse24(keras.layers.Dense(8, name="head"))
+
+    def call(self, x):
+        return self.head(self.ln(self.hidden(x)))
+
+
+@pytest.mark.parametrize("scope", [{"mode": "full"},
+                                   {"mode": "list_of_layers", "layer_names": ["ln"]}])
+def test_copies_recompute_as_the_layers_they_copy_made_under_a_remat_scope(scope):
+    """Keras reads the RematScope when a layer is made, so copies made outside it (prune() after
+    the scope, as usual) held every activation of layers the user had chosen to recompute."""
+    with keras.RematScope(**scope):
+        inputs = keras.Input((X.shape[-1],))
+        h = keras.layers.Dense(16, name="kept")(inputs)
+        layers = [keras.layers.LayerNormalization(name="ln"), keras.layers.Dense(8, name="fc")]
+        outputs = layers[1](layers[0](h))
+        subclassed = _NormedHead()
+        subclassed(X[:1, 0])
+    functional = keras.Model(inputs, outputs)  # made outside: Keras cannot fit a remat model
+    expected = {name: _calls_in_a_gradient(functional, name) for name in ("kept", "ln")}
+    assert expected == ({"kept": 2, "ln": 2} if scope["mode"] == "full" else {"kept": 1, "ln": 2})
+
+    pruned = ts.prune(functional, skip=["kept"])
+    assert {name: _calls_in_a_gradient(pruned, name) for name in expected} == expected
+    stripped = ts.strip(pruned)
+    assert {name: _calls_in_a_gradient(stripped, name) for name in expected} == expected
+    recomputed = _calls_in_a_gradient(subclassed, "ln")  # 3 under "full": the model's call too
+    assert recomputed > 1 and _calls_in_a_gradient(ts.prune(subclassed), "ln") == recomputed

@@ -13,6 +13,7 @@ in `Sparse24` with magnitude masks computed from the trained weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
 import warnings
@@ -326,11 +327,23 @@ def _build_by_first_call(called: keras.layers.Layer, new: keras.layers.Layer, we
     return calls
 
 
+def _remat_scope_of(layer) -> contextlib.AbstractContextManager:
+    """The `keras.RematScope` `layer` was made under (none: a no-op), to make its copy and the
+    copy's sublayers under: Keras reads the scope when a layer is made, so a copy made outside it
+    would silently stop recomputing its activations and hold them all (more memory)."""
+    mode = getattr(layer, "_remat_mode", None)
+    if mode is None:
+        return contextlib.nullcontext()
+    return keras.RematScope(mode=mode.mode, output_size_threshold=mode.output_size_threshold,
+                            layer_names=mode.layer_names)
+
+
 def _copy_layer(layer, called_as: keras.layers.Layer | None = None, to_wrap: bool = False):
-    """A fresh instance of `layer` with the same config, build and state. `called_as`: the layer
-    whose calls in the model are this one's (a wrapper's, for the layer it wraps). `to_wrap`: the
-    copy gets a `Sparse24` wrapper, which a `.keras` file or config makes again from the layer's
-    config and its first call only: a layer that needs more to be built is refused.
+    """A fresh instance of `layer` with the same config, build and state, made under the
+    RematScope `layer` was made under. `called_as`: the layer whose calls in the model are this
+    one's (a wrapper's, for the layer it wraps). `to_wrap`: the copy gets a `Sparse24` wrapper,
+    which a `.keras` file or config makes again from the layer's config and its first call only:
+    a layer that needs more to be built is refused.
 
     Functional graphs also hold stateless operations (`h[:, 0]` becomes a `GetItem` node): those
     are copied from their config alone. A `Lambda` layer is shared, not copied: it holds no state,
@@ -338,6 +351,12 @@ def _copy_layer(layer, called_as: keras.layers.Layer | None = None, to_wrap: boo
     """
     if isinstance(layer, keras.layers.Lambda) and not layer.weights:
         return layer
+    with _remat_scope_of(layer):
+        return _copy_in_scope(layer, called_as, to_wrap)
+
+
+def _copy_in_scope(layer, called_as: keras.layers.Layer | None, to_wrap: bool):
+    """_copy_layer's copy, under the RematScope it chose."""
     try:
         new = layer.__class__.from_config(layer.get_config())
     except Exception as err:
@@ -554,6 +573,12 @@ def _is_functional(model) -> bool:
 
 
 def _copy_model(model: keras.Model) -> keras.Model:
+    with _remat_scope_of(model):
+        return _copy_model_in_scope(model)
+
+
+def _copy_model_in_scope(model: keras.Model) -> keras.Model:
+    """_copy_model's copy, under the RematScope the model was made under."""
     in_place = "`for layer in tf_sparse24.pruned_layers(model): layer.update_masks()`"
     try:
         copy = model.__class__.from_config(model.get_config())
@@ -626,14 +651,16 @@ def strip(model: keras.Model) -> keras.Model:
 
 
 def clone_graph(model: keras.Model, clone: Callable, caller: str) -> keras.Model:
-    """`keras.models.clone_model(model, clone_function=clone, recursive=True)`, warning when the
+    """`keras.models.clone_model(model, clone_function=clone, recursive=True)` under the
+    RematScope `model` was made under (its nested models are made in it too), warning when the
     copy loses the model's own class.
 
     Keras makes a Functional subclass again only if its constructor takes `(inputs, outputs)`;
     others (keras_hub backbones and task models) come back as plain Functional models, without
     their methods (`generate()`, `preprocessor`), silently.
     """
-    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    with _remat_scope_of(model):
+        copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
     if type(copy) is not type(model):
         cls = type(model).__name__
         warnings.warn(
