@@ -86,6 +86,18 @@ def test_compress_matches_loop_and_round_trips(groups, n, dtype, seed):
         assert not (meta[:, -1] >> 4).any()
 
 
+@pytest.mark.parametrize("block", [1, 7, 36, 44, 400])
+def test_compress_in_column_blocks_matches_loop(monkeypatch, block):
+    """Blocks of 1 column (fewer weights than K), several, a tail block, one block."""
+    monkeypatch.setattr(fmt, "COMPRESS_BLOCK_ELEMENTS", block)
+    for dtype, (k, n) in zip(DTYPES, [(36, 9), (44, 5), (8, 11)]):
+        w = random_24(np.random.default_rng(block), k, n, dtype)
+        values, meta = fmt.compress(w)
+        ref_values, ref_meta = loop_compress(w)
+        np.testing.assert_array_equal(bits(values), bits(ref_values))
+        np.testing.assert_array_equal(meta, ref_meta)
+
+
 def test_nan_counts_as_non_zero_and_is_kept():
     w = np.zeros((4, 1), np.float32)
     w[[0, 2], 0] = [np.nan, np.inf]

@@ -60,7 +60,7 @@ def check_2to4(w: np.ndarray) -> None:
         raise ValueError(f"check_2to4 expects a 2-D [K, N] matrix. Received shape: {w.shape}")
     k, n = w.shape
     _check_k(k, "check_2to4")
-    counts = (w != 0).reshape(k // M, M, n).sum(axis=1)  # [groups, N]
+    counts = (w != 0).reshape(k // M, M, n).sum(axis=1, dtype=np.uint8)  # [groups, N]
     bad = np.argwhere(counts > N_KEPT)  # row-major: first by group, then by column
     if bad.size:
         g, col = (int(i) for i in bad[0])
@@ -96,6 +96,11 @@ def kept_positions(w: np.ndarray) -> np.ndarray:
     return _KEPT_POSITIONS[nonzero @ (1 << np.arange(M))]
 
 
+# compress() works on blocks of columns of about this many weights, so that its index arrays
+# (int64, 2-4x the weights' bytes) stay small next to a large kernel.
+COMPRESS_BLOCK_ELEMENTS = 1 << 22
+
+
 def compress(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Compresses a 2:4 sparse [K, N] matrix into (values [N, K/2], meta [N, ceil(K/8)] uint8).
 
@@ -110,6 +115,18 @@ def compress(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     w = np.asarray(w)
     check_2to4(w)
+    k, n = w.shape
+    values = np.empty((n, k // 2), w.dtype)
+    meta = np.empty((n, math.ceil(k / 8)), np.uint8)
+    step = max(1, COMPRESS_BLOCK_ELEMENTS // max(k, 1))
+    for start in range(0, n, step):
+        columns = slice(start, start + step)
+        values[columns], meta[columns] = _compress_columns(w[:, columns])
+    return values, meta
+
+
+def _compress_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`compress` of a checked [K, n] block of columns (each column is compressed on its own)."""
     k, n = w.shape
     pos = kept_positions(w)  # [N, G, 2]
     groups = np.ascontiguousarray(w.T).reshape(n, k // M, M)
