@@ -6,10 +6,7 @@ exported three ways and each SavedModel is loaded back the way a server would lo
   portable     `tf_sparse24.export(mode="portable")` (compressed, rebuilt with stock ops per call)
   accelerated  `tf_sparse24.export(mode="accelerated")` (compressed, Sparse24MatMul)
 Calls of `signatures["serving_default"]` are interleaved round-robin over the three and the table
-shows medians, so machine noise hits all three alike. Each export is written twice (the first
-warms TensorFlow's tracing and saving up); the size table shows how much the process's peak RSS
-(VmHWM, reset before it) grew while the second ran: a growth over what the process holds, freed
-memory the allocator kept from the first included (Keras' dense export shows ~0). Run:
+shows medians, so machine noise hits all three alike. Run:
 
     .venv/bin/python bench/serving.py [--width 2048] [--repeats 30] [--policy mixed_bfloat16]
 
@@ -38,21 +35,6 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def peak_growth_mib(fn) -> float:
-    """How much this process's peak RSS grows while `fn()` runs, in MiB (Linux: VmHWM, which
-    writing 5 to /proc/self/clear_refs resets to the current RSS)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    start = _status_kib("VmHWM")
-    fn()
-    return (_status_kib("VmHWM") - start) / 1024
-
-
 def build(width: int, features: int) -> keras.Model:
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
@@ -79,16 +61,9 @@ def main() -> None:
     model = build(args.width, args.features)
     root = tempfile.mkdtemp(prefix="sparse24-serving-")
     dirs = {name: os.path.join(root, name, "1") for name in ("dense", "portable", "accelerated")}
-    stripped = tf_sparse24.strip(model)
-    writers = {
-        "dense": lambda d: stripped.export(d, format="tf_saved_model", verbose=False),
-        "portable": lambda d: tf_sparse24.export(model, d, mode="portable"),
-        "accelerated": lambda d: tf_sparse24.export(model, d, mode="accelerated"),
-    }
-    for name, write in writers.items():
-        write(os.path.join(root, "warm-up", name, "1"))
-    peaks = {name: peak_growth_mib(lambda w=write, d=dirs[name]: w(d))
-             for name, write in writers.items()}
+    tf_sparse24.strip(model).export(dirs["dense"], format="tf_saved_model", verbose=False)
+    tf_sparse24.export(model, dirs["portable"], mode="portable")
+    tf_sparse24.export(model, dirs["accelerated"], mode="accelerated")
     fns = {
         "dense": tf.saved_model.load(dirs["dense"]).signatures["serving_default"],
         "portable": tf_sparse24.load(dirs["portable"]).signatures["serving_default"],
@@ -101,13 +76,11 @@ def main() -> None:
     print(f"model: {args.features}-{args.width}-{args.width}-{args.features}-16 MLP, 2:4 pruned, "
           f"{args.policy}; TF {tf.__version__}, {os.cpu_count()} CPUs, "
           f"op ISA {tf_sparse24.ops.cpu_isa()}")
-    print(f"\n{'export':12s} {'variables/ bytes':>17s} {'vs dense weights':>17s} "
-          f"{'export peak MiB':>16s}")
-    print(f"{'(weights)':12s} {weights:17d} {1:16.3f}x {weights / 2**20:16.1f}   dense float32 "
-          "bytes, each variable once")
+    print(f"\n{'export':12s} {'variables/ bytes':>17s} {'vs dense weights':>17s}")
+    print(f"{'(weights)':12s} {weights:17d} {1:16.3f}x   dense float32 bytes, each variable once")
     for name, size in sizes.items():
         note = "   Keras model.export stores each variable twice" if name == "dense" else ""
-        print(f"{name:12s} {size:17d} {size / weights:16.3f}x {peaks[name]:16.1f}{note}")
+        print(f"{name:12s} {size:17d} {size / weights:16.3f}x{note}")
 
     rng = np.random.default_rng(0)
     print(f"\n{'batch':>5s} {'export':12s} {'median ms':>10s} {'vs dense':>9s}   "

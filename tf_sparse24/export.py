@@ -852,8 +852,7 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
     for variable in model.variables:
         if id(variable) not in replaced and all(variable is not v for v in dense_vars):
             dense_vars.append(variable)
-    dense_values = [v.numpy() for v in dense_vars]
-    module.dense = [tf.Variable(value, trainable=False) for value in dense_values]
+    module.dense = [tf.Variable(v.value, trainable=False) for v in dense_vars]  # one copy each
     # Lookup tables (StringLookup, IntegerLookup, TextVectorization): resources that are not
     # variables; the served function uses them, so the SavedModel must hold them (and their
     # vocabulary).
@@ -898,7 +897,7 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
     }
 
     metadata = _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars,
-                         dense_values)
+                         module.dense)
     text = md.dumps(metadata)
     module.metadata = tf.function(lambda: tf.constant(text), input_signature=[])
     asset_dir = tempfile.mkdtemp(prefix=".sparse24-asset-", dir=os.path.dirname(directory))
@@ -966,7 +965,8 @@ def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec], keys: list[st
         return model.compute_output_spec(*model_arguments(model, symbolic, keys), **kwargs)
 
 
-def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, dense_values) -> dict:
+def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, stored) -> dict:
+    """The export's metadata; `stored`: the variables holding `dense_vars`' values as saved."""
     import tf_sparse24  # noqa: PLC0415
 
     outputs = serving.get_concrete_function().structured_outputs
@@ -1004,7 +1004,7 @@ def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, den
         },
         "sparse": entries,
         "dense": [
-            md.tensor_record(v.path, value) for v, value in zip(dense_vars, dense_values)
+            md.tensor_record(v.path, copy.numpy()) for v, copy in zip(dense_vars, stored)
         ],
     }
 
