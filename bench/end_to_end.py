@@ -40,7 +40,7 @@ MEMORY_GOAL = 0.6
 SEQ, D_MODEL, HEADS, FFN = 64, 512, 8, 2048
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status", encoding="ascii") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -58,11 +58,11 @@ def _memory_child(export_dir: str, accelerated: bool, shape: list[int]) -> None:
         ops.load_library()
     warm = tf.function(lambda a: tf.matmul(a, a))
     warm(tf.ones([64, 64])).numpy()  # runtime, thread pools, tf.function machinery
-    base_peak, base_rss = _status_kib("VmHWM"), _status_kib("VmRSS")
+    base_peak, base_rss = status_kib("VmHWM"), status_kib("VmRSS")
     fn = tf.saved_model.load(export_dir).signatures["serving_default"]
     name = next(iter(fn.structured_input_signature[1]))
     next(iter(fn(**{name: tf.ones(shape)}).values())).numpy()
-    print(_status_kib("VmHWM") - base_peak, _status_kib("VmRSS") - base_rss)
+    print(status_kib("VmHWM") - base_peak, status_kib("VmRSS") - base_rss)
 
 
 def memory(export_dir: str, accelerated: bool, shape: list[int], repeats: int) -> tuple:

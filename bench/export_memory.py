@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,19 +27,17 @@ import keras  # noqa: E402
 
 import tf_sparse24  # noqa: E402
 
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from end_to_end import status_kib  # noqa: E402  (bench/end_to_end.py)
 
 
 def peak_growth_mib(fn) -> float:
     """How much this process's peak RSS (VmHWM) grows while `fn()` runs, in MiB."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    start = _status_kib("VmHWM")
+    start = status_kib("VmHWM")
     fn()
-    return (_status_kib("VmHWM") - start) / 1024
+    return (status_kib("VmHWM") - start) / 1024
 
 
 def mlp(width: int) -> keras.Model:
