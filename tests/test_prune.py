@@ -157,6 +157,32 @@ def masked_copy_1of4(model, x):
     return h
 
 
+def test_pruning_a_pruned_model_with_another_pattern_is_refused_not_ignored():
+    """Its wrappers keep the pattern they have: asking for another one must not pass silently."""
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(4, name="b")]
+    )
+    pruned = ts.prune(model, layers=["a"])
+    with pytest.raises(ValueError, match=r"pattern='1:4', but the Sparse24 layers \['sparse24_a'\] "
+                                         r".* prune tf_sparse24.strip\(model\) instead"):
+        ts.prune(pruned, "1:4")
+    # The rest of the model, or the stripped copy, takes the new pattern.
+    x = X[:, 0].repeat(2, axis=1)
+    partly = ts.prune(pruned, "1:4", layers=["b"])
+    assert [(l.layer.name, l.pattern) for l in ts.pruned_layers(partly)] == [
+        ("a", "2:4"), ("b", "1:4")
+    ]
+    h = x.astype(np.float64)
+    for layer, n in zip(model.layers, (2, 1)):
+        kernel, bias = (w.astype(np.float64) for w in layer.get_weights())
+        h = h @ (kernel * reference_mask(kernel, n, 4, 0)) + bias
+    np.testing.assert_allclose(partly(x), h, rtol=1e-5, atol=1e-6)
+    again = ts.prune(ts.strip(pruned), "1:4")
+    assert [l.pattern for l in ts.pruned_layers(again)] == ["1:4", "1:4"]
+    for wrapper in ts.pruned_layers(again):
+        assert ts.is_nm_sparse(wrapper.effective_weight(wrapper.pruned_weights[0]), "1:4", 0)
+
+
 @keras.saving.register_keras_serializable(package="test_prune")
 class TwoLayer(keras.Model):
     """A subclassed model that opts in by wrapping its prunable layers itself."""

@@ -419,8 +419,8 @@ def prune(
 
     Args:
         model: a built keras.Model (Sequential, Functional, or subclassed with `Sparse24` layers).
-        pattern: "N:M", keep N of every M; None: "2:4" (a subclassed model's wrappers keep the
-            pattern they were made with; a different one is an error).
+        pattern: "N:M", keep N of every M; None: "2:4" (the model's own `Sparse24` layers keep
+            the pattern they were made with; a different one for those selected is an error).
         layers: only prune these (layer names, layer objects or layer classes); None (default):
             every eligible layer. An empty selection is an error, not "everything".
         skip: never prune these (same forms).
@@ -533,17 +533,27 @@ def _magnitude_masks(model, pattern: str | None, layers, skip, method: str, unse
         inside = [wrapper, wrapper.layer, *walk_layers(wrapper.layer)]
         return any(_matches(s, selectors) for s in inside)
 
-    chosen = [
+    selected = [
         w for w in pruned_layers(model)
         if (not layers or picked(w, layers)) and not picked(w, skip)
-        and not (unset_only and any(not np.all(pw.mask.numpy()) for pw in w.pruned_weights))
     ]  # fmt: skip
-    if pattern is not None and (other := [w.name for w in chosen if w.pattern != pattern]):
+    # Checked on every selected wrapper, also those whose masks are kept as computed: their
+    # pattern is what the copy gets, so another one asked for here would be silently ignored.
+    if pattern is not None and (other := [w.name for w in selected if w.pattern != pattern]):
+        how = (
+            "To change it, prune tf_sparse24.strip(model) instead (a plain copy, weights as now)"
+            if unset_only  # a Sequential/Functional model: its graph is rebuilt
+            else "Set the pattern where the model makes them (Sparse24(layer, pattern))"
+        )
         raise ValueError(
             f"prune(): pattern={pattern!r}, but the Sparse24 layers {other} of model "
-            f"{model.name!r} were made with another pattern, which they keep. Set the pattern "
-            "where the model makes them (Sparse24(layer, pattern)), or omit it here."
+            f"{model.name!r} were made with another pattern, which they keep. {how}, or omit "
+            "it here."
         )
+    chosen = [
+        w for w in selected
+        if not (unset_only and any(not np.all(pw.mask.numpy()) for pw in w.pruned_weights))
+    ]  # fmt: skip
     return {
         id(w): [
             compute_mask(pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path)
