@@ -1275,3 +1275,26 @@ def test_copies_recompute_as_the_layers_they_copy_made_under_a_remat_scope(scope
     assert {name: _calls_in_a_gradient(stripped, name) for name in expected} == expected
     recomputed = _calls_in_a_gradient(subclassed, "ln")  # 3 under "full": the model's call too
     assert recomputed > 1 and _calls_in_a_gradient(ts.prune(subclassed), "ln") == recomputed
+
+
+def test_a_frozen_layer_stays_frozen_and_says_so_through_prune_and_a_keras_file(tmp_path):
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(4, name="b")]
+    )
+    model.get_layer("a").trainable = False
+    pruned = ts.prune(model)
+    path = str(tmp_path / "frozen.keras")
+    pruned.save(path)
+    loaded = keras.models.load_model(path)
+    for copy in (pruned, loaded):
+        assert [(w.trainable, w.layer.trainable) for w in copy.layers] == [(False, False),
+                                                                           (True, True)]
+        assert [v.path for v in copy.trainable_variables] == ["b/kernel", "b/bias"]
+    loaded.layers[0].trainable = True  # unfreezing the wrapper unfreezes the layer it wraps
+    assert [v.path for v in loaded.trainable_variables] == [
+        "a/kernel", "a/bias", "b/kernel", "b/bias"
+    ]
+    kernel = loaded.layers[0].layer.kernel.numpy()
+    loaded.compile(keras.optimizers.SGD(0.1), "mse")
+    loaded.fit(X[:, 0].repeat(2, axis=1), np.ones((4, 4), "float32"), verbose=0)
+    assert not np.array_equal(loaded.layers[0].layer.kernel.numpy(), kernel)

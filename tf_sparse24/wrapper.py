@@ -215,6 +215,9 @@ class Sparse24(keras.layers.Wrapper):
         # The layer's own policy, not the global one: a float32 head under mixed precision must
         # not get its inputs cast to 16 bits by the wrapper first.
         kwargs.setdefault("dtype", layer.dtype_policy)
+        # A frozen layer's wrapper says so (model.layers, summaries); setting `trainable` on the
+        # wrapper sets it on the layer, as Keras does for any layer holding others.
+        kwargs.setdefault("trainable", layer.trainable)
         super().__init__(layer, **kwargs)
         self.pattern = pattern
         self.supports_masking = (
