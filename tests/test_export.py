@@ -1075,6 +1075,29 @@ def test_signature_names_order_and_precision_survive_verify(tmp_path):
     assert "scores" in verify(tmp_path / "bf16_in" / "1", against=bf16)["max_abs_diff"]
 
 
+def test_input_names_tensorflow_cannot_take_as_arguments_get_a_suffix(tmp_path):
+    """TensorFlow refuses signature arguments that differ only in case and binds `self` to the
+    function: such model inputs are renamed like other clashes; chosen specs are refused."""
+    names = ("x", "X", "self")
+    inputs = [keras.Input((8,), name=n) for n in names]
+    scaled = [keras.layers.Dense(4, name=f"d{i}")(t) * (i + 1) for i, t in enumerate(inputs)]
+    model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Add(name="out")(scaled)))
+    metadata = export(model, tmp_path / "1")
+    assert metadata["signature"]["input_order"] == ["x", "X_1", "self_1"]
+    rng = np.random.default_rng(2)
+    x = [rng.standard_normal((3, 8)).astype("float32") for _ in names]
+    served = load(tmp_path / "1").signatures["serving_default"](
+        **dict(zip(metadata["signature"]["input_order"], x))
+    )["out"]
+    np.testing.assert_allclose(served.numpy(), model(x), rtol=1e-5, atol=1e-6)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"]["out"] < 1e-5
+    for chosen in (["x", "X", "s"], ["x", "self", "s"]):
+        specs = [tf.TensorSpec([None, 8], tf.float32, name=n) for n in chosen]
+        with pytest.raises(ValueError, match=r"unique, also ignoring case .* not 'self'"):
+            export(model, tmp_path / "2", input_signature=specs)
+    assert not (tmp_path / "2").exists()
+
+
 def two_input_models():
     a, b = keras.Input((8,), name="a"), keras.Input((8,), name="b")
     out = keras.layers.Dense(4, name="out")(keras.layers.Dense(8, name="h")(a) - b)

@@ -431,6 +431,19 @@ def _dedupe_names(items: list) -> None:
 # --- Building and writing the SavedModel -----------------------------------------------------
 
 
+# A signature's input names become the arguments of a Python call: TensorFlow refuses two that
+# differ only in case ("x", "X") and binds "self" to the function itself.
+INPUT_NAME_RULES = {"ignore_case": True, "reserved": ("self",)}
+
+
+def _check_signature_names(names: list[str]) -> None:
+    if unique_names(names, **INPUT_NAME_RULES) != names:
+        raise ValueError(
+            "input_signature names must be unique, also ignoring case (TensorFlow makes them the "
+            f"serving function's arguments), and not 'self'. Received: {names}"
+        )
+
+
 def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
     """The serving signature's named inputs, in the model's order: `input_signature` (a list of
     named specs, one named spec, or `{name: spec}`), else the model's symbolic inputs (names
@@ -442,6 +455,7 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
                 "a dict input_signature maps identifier keys ([A-Za-z_][A-Za-z0-9_]*) to "
                 f"tf.TensorSpec. Received: {input_signature}"
             )
+        _check_signature_names(list(input_signature))
         return [tf.TensorSpec(s.shape, s.dtype, name=k) for k, s in input_signature.items()]
     if isinstance(input_signature, tf.TensorSpec):
         input_signature = [input_signature]  # one input, as Keras' model.export takes it
@@ -452,8 +466,7 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
                 f"input_signature must be a list of named tf.TensorSpec. Received: {specs}"
             )
         names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"input_signature names must be unique. Received: {names}")
+        _check_signature_names(names)
         own = model_input_names(model)
         if (positional := positional_inputs(model)) and len(positional) != len(specs):
             raise ValueError(
@@ -473,7 +486,8 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
         ) from e
     names = unique_names(
         [_identifier(t.name, "inputs" if len(inputs) == 1 else f"input_{i}")
-         for i, t in enumerate(inputs)]
+         for i, t in enumerate(inputs)],
+        **INPUT_NAME_RULES,
     )
     return [tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=n) for t, n in zip(inputs, names)]
 
@@ -520,16 +534,18 @@ def flat_outputs(outputs) -> tuple[list, list[str] | None]:
     return flat, keys
 
 
-def unique_names(names: list[str]) -> list[str]:
+def unique_names(names: list[str], *, ignore_case: bool = False, reserved=()) -> list[str]:
     """`names` with a later repeat made unique by a `_<k>` suffix: two keys that map to the same
-    identifier ("a-b" and "a_b") must not share a signature key, or one tensor would be lost."""
-    taken, out = set(names), []
-    seen: set[str] = set()
+    identifier ("a-b" and "a_b") must not share a signature key, or one tensor would be lost.
+    `ignore_case`: "x" and "X" count as the same; a `reserved` name is always suffixed."""
+    fold = str.lower if ignore_case else str
+    taken, out = {fold(n) for n in names}, []
+    seen = {fold(n) for n in reserved}
     for name in names:
         new, k = name, 1
-        while new in seen or (new != name and new in taken):
+        while fold(new) in seen or (new != name and fold(new) in taken):
             new, k = f"{name}_{k}", k + 1
-        seen.add(new)
+        seen.add(fold(new))
         out.append(new)
     return out
 
