@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tf_sparse24.masks import MASK_METHODS, compute_mask
+from tf_sparse24 import SRSTE, Sparse24Callback
 from tf_sparse24.prune import prune, pruned_layers
 from tf_sparse24.transposable import PATTERNS_4X4
 
@@ -137,3 +138,47 @@ def test_bad_shapes_and_patterns_raise():
     with pytest.raises(ValueError, match=r"head/kernel with shape \(32, 2\)"):
         prune(model, method="transposable")
     assert len(pruned_layers(prune(model, method="transposable", skip="head"))) == 1
+
+
+def _transposable_mlp():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name="hidden"),
+                             keras.layers.Dense(8, name="out")])  # fmt: skip
+
+
+def test_masks_recomputed_later_keep_the_method_prune_used(tmp_path):
+    """`Sparse24Callback(update_every=...)` and SR-STE's every-step masks recompute with the
+    wrapper's method, which prune() sets, the config saves, and a mismatch asked for refuses."""
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(32, 16)).astype("float32"), rng.normal(size=(32, 8)).astype("float32")
+
+    def check(model):
+        for layer in pruned_layers(model):
+            assert layer.method == "transposable"
+            for pw in layer.pruned_weights:
+                _assert_transposable((np.asarray(layer.effective_weight(pw)) != 0) * 1.0,
+                                     exact_two=False)
+                _assert_transposable(pw.mask.numpy())
+
+    fixed = prune(_transposable_mlp(), method="transposable")
+    fixed.compile(keras.optimizers.SGD(0.5), "mse")
+    fixed.fit(x, y, epochs=2, batch_size=8, verbose=0,
+              callbacks=[Sparse24Callback(update_every=1)])
+    check(fixed)
+    srste = prune(_transposable_mlp(), method="transposable", wrapper=SRSTE)
+    srste.compile(keras.optimizers.SGD(0.5), "mse")
+    before = [pw.mask.numpy() for layer in pruned_layers(srste) for pw in layer.pruned_weights]
+    srste.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    check(srste)
+    after = [pw.mask.numpy() for layer in pruned_layers(srste) for pw in layer.pruned_weights]
+    assert any((a != b).any() for a, b in zip(before, after))  # the masks did move
+    path = str(tmp_path / "srste.keras")
+    srste.save(path)
+    loaded = keras.models.load_model(path)
+    loaded.compile(keras.optimizers.SGD(0.5), "mse")
+    loaded.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    check(loaded)
+    # A wrapper made with a method prune() was not asked for is refused, not overridden.
+    with pytest.raises(ValueError, match=r"method='magnitude', but the Sparse24 layer .* "
+                                         r"method='transposable'"):
+        prune(_transposable_mlp(), wrapper=functools.partial(SRSTE, method="transposable"))

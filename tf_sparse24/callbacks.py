@@ -35,12 +35,13 @@ class Sparse24Callback(keras.callbacks.Callback):
 
     Args:
         start_step: dense warm-up. Before this step every mask is ones (the model trains dense);
-            masks are computed by magnitude at this step. None (default): keep the masks `prune()`
-            computed.
+            masks are computed at this step (by `method`). None (default): keep the masks
+            `prune()` computed.
         update_every: recompute masks every this many steps after `start_step` (or step 0). None
             (default): masks stay fixed, as in the paper's recipe. Resuming never recomputes
             masks off schedule.
-        method: mask method (a key of `tf_sparse24.masks.MASK_METHODS`).
+        method: mask method (a key of `tf_sparse24.masks.MASK_METHODS`) for every layer; None
+            (default): each layer's own (`Sparse24.method`, the one `prune()` used).
         check: verify at every epoch end that each effective weight is exactly N:M; raises
             RuntimeError naming the layer and weight otherwise.
 
@@ -60,7 +61,7 @@ class Sparse24Callback(keras.callbacks.Callback):
         self,
         start_step: int | None = None,
         update_every: int | None = None,
-        method: str = "magnitude",
+        method: str | None = None,
         check: bool = True,
     ):
         super().__init__()
@@ -72,7 +73,8 @@ class Sparse24Callback(keras.callbacks.Callback):
                 raise ValueError(
                     f"{name} must be None or an int >= {low}. Received: {name}={value!r}"
                 )
-        _mask_method(method)  # an unknown method fails here, not at the first mask computation
+        if method is not None:
+            _mask_method(method)  # an unknown method fails here, not at the first computation
         self.start_step = start_step
         self.update_every = update_every
         self.method = method

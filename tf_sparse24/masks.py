@@ -85,6 +85,7 @@ def _sorted_rank(mag: tf.Tensor) -> tf.Tensor:
 MASK_METHODS: dict[str, Callable[[tf.Tensor, int], tf.Tensor]] = {
     "magnitude": magnitude_mask
 }
+DEFAULT_METHOD = "magnitude"
 # Shape requirements a method adds: `(groups view shape [G, M, P], n) -> problem or None`, checked
 # eagerly by compute_mask (so the error names the weight) before the method's tf.function.
 MASK_METHOD_CHECKS: dict[str, Callable[[tuple, int], str | None]] = {}

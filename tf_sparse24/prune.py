@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 import keras
 import numpy as np
 
-from tf_sparse24.masks import compute_mask, is_nm_sparse, parse_pattern
+from tf_sparse24.masks import DEFAULT_METHOD, compute_mask, is_nm_sparse, parse_pattern
 from tf_sparse24.registry import (
     eligible_weights,
     own_variables,
@@ -410,7 +410,7 @@ def prune(
     *,
     layers: Iterable | None = None,
     skip: Iterable | None = None,
-    method: str = "magnitude",
+    method: str = DEFAULT_METHOD,
     wrapper: Callable[..., Sparse24] = Sparse24,
 ) -> keras.Model:
     """Returns a copy of a trained `model` with N:M magnitude masks on every prunable layer.
@@ -424,7 +424,8 @@ def prune(
         layers: only prune these (layer names, layer objects or layer classes); None (default):
             every eligible layer. An empty selection is an error, not "everything".
         skip: never prune these (same forms).
-        method: mask method, a key of `tf_sparse24.masks.MASK_METHODS`.
+        method: mask method, a key of `tf_sparse24.masks.MASK_METHODS`; the wrappers keep it for
+            later recomputation (`Sparse24Callback(update_every=...)`, SRSTE's every step).
         wrapper: the wrapper class (Sequential/Functional models), `Sparse24` or a subclass such as
             `tf_sparse24.SRSTE`, or a callable `(layer, pattern, weights) -> Sparse24` (e.g.
             `functools.partial(SRSTE, decay=1e-4)`). Subclassed models keep their own wrappers.
@@ -468,6 +469,7 @@ def prune(
         wrapped = wrapper(new, pattern, {p: a for p, (a, _) in spec.items()})
         if not isinstance(wrapped, Sparse24):
             raise TypeError(f"prune(): wrapper returned {type(wrapped).__name__}, not a Sparse24.")
+        wrapped.method = _wrapper_method(wrapped, method)
         wrapped.build()
         for pw in wrapped.pruned_weights:
             pw.mask.assign(spec[pw.name][1])
@@ -554,25 +556,41 @@ def _magnitude_masks(model, pattern: str | None, layers, skip, method: str, unse
         w for w in selected
         if not (unset_only and any(not np.all(pw.mask.numpy()) for pw in w.pruned_weights))
     ]  # fmt: skip
+    methods = {id(w): _wrapper_method(w, method) for w in chosen}  # all checked first
     return {
-        id(w): [
-            compute_mask(pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path)
+        id(w): (methods[id(w)], [
+            compute_mask(pw.variable, pw.pattern, pw.axis, methods[id(w)], name=pw.variable.path)
             for pw in w.pruned_weights
-        ]
+        ])
         for w in chosen
     }
 
 
-def _assign_masks(source, copy, masks: dict[int, list]) -> None:
-    """Sets `masks` (keyed by the id of a wrapper in `source`) on the wrappers at the same
-    positions in its copy (a copy made from config has fresh layer names)."""
+def _wrapper_method(wrapper: Sparse24, method: str) -> str:
+    """The mask method for a wrapper prune() masks: `method`, unless the wrapper was made with
+    another one than the default, which must then be the one asked for (never dropped silently:
+    an SRSTE layer recomputes its masks with it at every step)."""
+    if wrapper.method not in (DEFAULT_METHOD, method):
+        raise ValueError(
+            f"prune(): method={method!r}, but the Sparse24 layer {wrapper.name!r} was made with "
+            f"method={wrapper.method!r}. Pass method={wrapper.method!r} to prune(), or make the "
+            "layer with the method wanted."
+        )
+    return method
+
+
+def _assign_masks(source, copy, masks: dict[int, tuple[str, list]]) -> None:
+    """Sets `masks` (keyed by the id of a wrapper in `source`: the method and the masks) on the
+    wrappers at the same positions in its copy (a copy made from config has fresh layer
+    names)."""
     if not masks or not isinstance(source, keras.layers.Layer):
         return
     own = [source] if isinstance(source, Sparse24) else []
     copies = [copy] if isinstance(copy, Sparse24) else []
     for old, new in zip(own + pruned_layers(source), copies + pruned_layers(copy)):
         if id(old) in masks:
-            for pw, mask in zip(new.pruned_weights, masks[id(old)]):
+            new.method, values = masks[id(old)]
+            for pw, mask in zip(new.pruned_weights, values):
                 pw.mask.assign(mask)
             new.masks_source = "prune()"
 

@@ -1,10 +1,10 @@
 """`SRSTE`: N:M sparse training from scratch with the sparse-refined straight-through estimator.
 
 Zhou et al., "Learning N:M Fine-grained Structured Sparse Neural Networks From Scratch" (ICLR
-2021). Every forward recomputes the N:M magnitude mask from the current dense weights W and uses
-the pruned weight W~ = W * mask. The backward passes the gradient at W~ straight through to all of
-W (pruned positions included, so a pruned weight can grow back), and SR-STE adds the sparse-refined
-decay on the pruned positions (the paper's Eq. 5):
+2021). Every forward recomputes the N:M mask (by magnitude, or the wrapper's other `method`) from
+the current dense weights W and uses the pruned weight W~ = W * mask. The backward passes the
+gradient at W~ straight through to all of W (pruned positions included, so a pruned weight can
+grow back), and SR-STE adds the sparse-refined decay on the pruned positions (the paper's Eq. 5):
 
     W <- W - lr * (dL/dW~ + decay * (1 - mask) * W)
 
@@ -19,7 +19,7 @@ import math
 import keras
 import tensorflow as tf
 
-from tf_sparse24.masks import compute_mask
+from tf_sparse24.masks import DEFAULT_METHOD, compute_mask
 from tf_sparse24.wrapper import PrunedWeight, Sparse24, stored_value
 
 DEFAULT_DECAY = 2e-4  # the paper's lambda_W
@@ -39,6 +39,7 @@ class SRSTE(Sparse24):
         layer: the Keras layer to wrap.
         pattern: "N:M", keep N of every M.
         weights: `{relative variable path: grouping axis}`; None uses the registry.
+        method: the mask method of every step (`"transposable"`: masks 2:4 along both axes).
         decay: the sparse-refined decay lambda_W on pruned positions (0 gives plain STE).
 
     Raises:
@@ -55,6 +56,7 @@ class SRSTE(Sparse24):
         pattern: str = "2:4",
         weights: dict | None = None,
         decay: float = DEFAULT_DECAY,
+        method: str = DEFAULT_METHOD,
         **kwargs,
     ):
         if (
@@ -66,15 +68,17 @@ class SRSTE(Sparse24):
                 f"SRSTE({layer.name!r}): decay must be a finite number >= 0. Received: decay={decay!r}"
             )
         kwargs.setdefault("name", f"srste_{layer.name}")
-        super().__init__(layer, pattern, weights, **kwargs)
+        super().__init__(layer, pattern, weights, method=method, **kwargs)
         self.decay = float(decay)
         self._masks_this_call = None
         self._decay_loss = None  # the decay tensor this layer last passed to `add_loss`
 
     def current_mask(self, pw: PrunedWeight) -> tf.Tensor:
-        """The N:M magnitude mask of the variable's current value, in the variable's dtype (inside
-        and outside a mixed-precision call alike: 16-bit rounding would tie other weights)."""
-        return compute_mask(stored_value(pw.variable), pw.pattern, pw.axis, name=pw.variable.path)
+        """The N:M mask (by the wrapper's `method`) of the variable's current value, in the
+        variable's dtype (inside and outside a mixed-precision call alike: 16-bit rounding would
+        tie other weights)."""
+        return compute_mask(stored_value(pw.variable), pw.pattern, pw.axis, self.method,
+                            name=pw.variable.path)
 
     def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
         """`variable * current_mask`, with a straight-through (identity) gradient to the variable."""

@@ -23,7 +23,13 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.common import global_state  # where Keras keeps its autocast scope
 
-from tf_sparse24.masks import compute_mask, parse_pattern, pattern_mismatch
+from tf_sparse24.masks import (
+    DEFAULT_METHOD,
+    _mask_method,
+    compute_mask,
+    parse_pattern,
+    pattern_mismatch,
+)
 from tf_sparse24.registry import (
     lora_layers,
     quantized_layers,
@@ -194,6 +200,9 @@ class Sparse24(keras.layers.Wrapper):
         layer_variables: set by `get_config`: how many variables `layer` had. A layer made again
             from its config whose sublayers make their weights when first called (a block without
             a `build()`) has fewer until then, and the masks wait for that call.
+        method: the mask method (a key of `tf_sparse24.masks.MASK_METHODS`) its masks are
+            computed with when recomputed (`update_masks()`, `Sparse24Callback(update_every=...)`)
+            or per step (`SRSTE`); `prune(method=...)` sets it. Saved in the config.
 
     Example:
         >>> layer = Sparse24(keras.layers.Dense(8))
@@ -208,9 +217,11 @@ class Sparse24(keras.layers.Wrapper):
         weights: dict[str, int] | None = None,
         weight_positions: list[int] | None = None,
         layer_variables: int | None = None,
+        method: str = DEFAULT_METHOD,
         **kwargs,
     ):
         parse_pattern(pattern)
+        _mask_method(method)
         kwargs.setdefault("name", f"sparse24_{layer.name}")
         # The layer's own policy, not the global one: a float32 head under mixed precision must
         # not get its inputs cast to 16 bits by the wrapper first.
@@ -220,6 +231,7 @@ class Sparse24(keras.layers.Wrapper):
         kwargs.setdefault("trainable", layer.trainable)
         super().__init__(layer, **kwargs)
         self.pattern = pattern
+        self.method = method
         self.supports_masking = (
             layer.supports_masking
         )  # Keras masks pass through like the layer's
@@ -443,8 +455,10 @@ class Sparse24(keras.layers.Wrapper):
         value = stored_value(pw.variable)  # the inner layer autocasts the product for itself
         return value * tf.cast(pw.mask.value, value.dtype)
 
-    def update_masks(self, method: str = "magnitude") -> None:
-        """Recomputes every mask by `method` from the current variable values."""
+    def update_masks(self, method: str | None = None) -> None:
+        """Recomputes every mask from the current variable values by `method` (None: the
+        wrapper's own `method`), which becomes the wrapper's method."""
+        method = self.method if method is None else method
         masks = [
             compute_mask(
                 pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path
@@ -453,6 +467,7 @@ class Sparse24(keras.layers.Wrapper):
         ]  # all checked before any assignment
         for pw, mask in zip(self.pruned_weights, masks):
             pw.mask.assign(mask)
+        self.method = method
         self.masks_source = "update_masks()"
 
     def call(self, *args, **kwargs):
@@ -497,4 +512,5 @@ class Sparse24(keras.layers.Wrapper):
             "weights": self._spec,
             "weight_positions": self._positions,
             "layer_variables": self._layer_variables,
+            "method": self.method,
         }
