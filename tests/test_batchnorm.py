@@ -151,6 +151,11 @@ def test_bad_input_is_refused_before_anything_changes():
                                                                                   name="rn")])
     with pytest.raises(ValueError, match=r"\['rn'\] use renorm=True"):
         tf_sparse24.recalibrate_batch_norm(renorm, np.zeros((4, 4)))
+    x, y = np.ones((8, 6, 6, 4), "float32"), np.ones((8, 3), "float32")
+    for data in ((x, y), [(x[:4], y[:4]), (x[4:], y[4:])]):  # data with targets, a list of batches
+        with pytest.raises(ValueError, match=r"x is a (tuple of 2|list of 4) arrays, read as the "
+                                             r"inputs of model .*, which takes 1"):
+            tf_sparse24.recalibrate_batch_norm(model, data)
     with pytest.warns(UserWarning, match="no BatchNormalization"):
         assert tf_sparse24.recalibrate_batch_norm(
             keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), np.zeros((4, 4))) == []

@@ -28,10 +28,30 @@ def _batch_norms(model: keras.Model) -> list[keras.layers.BatchNormalization]:
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 
+ARRAY_STRUCTURES = (np.ndarray, tf.Tensor, list, tuple, dict)  # model inputs, as Keras reads x
+
+
+def _check_input_arrays(model: keras.Model, x) -> None:
+    """Refuses a list/tuple/dict `x` that is not one array per model input: `(x_train, y_train)`
+    or a list of `(x, y)` batches would otherwise be cut into batches as several inputs."""
+    if not isinstance(x, (list, tuple, dict)):
+        return
+    try:
+        wanted = len(keras.tree.flatten(model.input))
+    except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs to count
+        return
+    if (got := len(keras.tree.flatten(x))) != wanted:
+        raise ValueError(
+            f"recalibrate_batch_norm(): x is a {type(x).__name__} of {got} arrays, read as the "
+            f"inputs of model {model.name!r}, which takes {wanted}. Pass the inputs only (no "
+            "targets), or batches as a tf.data.Dataset or an iterator (iter(list_of_batches)).")
+
+
 def _input_batches(x, batch_size: int) -> Iterable:
-    """Model inputs batch by batch: slices of arrays (one, or a list/dict of them), or the inputs
-    of each element of a tf.data.Dataset / iterable (`x` of `(x, y)` or `(x, y, sample_weight)`)."""
-    if isinstance(x, (np.ndarray, tf.Tensor, list, dict)):
+    """Model inputs batch by batch: slices of arrays (one, or a list/tuple/dict of them), or the
+    inputs of each element of a tf.data.Dataset / iterable (`x` of `(x, y)` or
+    `(x, y, sample_weight)`)."""
+    if isinstance(x, ARRAY_STRUCTURES):
         rows = len(keras.tree.flatten(x)[0])
         for start in range(0, rows, batch_size):
             yield keras.tree.map_structure(lambda a, s=start: a[s:s + batch_size], x)
@@ -96,9 +116,9 @@ def recalibrate_batch_norm(
 
     Args:
         model: a built Keras model.
-        x: model inputs: an array (or a list/dict of arrays for several inputs), or a
-            tf.data.Dataset / iterable of batches whose elements are inputs or `(inputs, targets[,
-            sample_weights])` tuples.
+        x: model inputs: an array (or a list/tuple/dict of arrays, one per input, as Keras
+            reads `x`), or a tf.data.Dataset / iterator of batches whose elements are inputs or
+            `(inputs, targets[, sample_weights])` tuples.
         batch_size: rows per batch when `x` is arrays.
         steps: use at most this many batches (None: all of `x`).
 
@@ -107,7 +127,8 @@ def recalibrate_batch_norm(
         if the model has no BatchNormalization). A warning names any other.
 
     Raises:
-        ValueError: for an unbuilt model, a bad `batch_size`/`steps`, or no batch in `x`; a
+        ValueError: for an unbuilt model, a bad `batch_size`/`steps`, arrays that are not one
+            per model input (`(x_train, y_train)`), or no batch in `x`; a
             BatchNormalization layer with `renorm=True` (its statistics are coupled to renorm's).
             If a batch fails in the model, every layer's statistics are restored before the error
             propagates: nothing is half-updated.
@@ -119,6 +140,7 @@ def recalibrate_batch_norm(
         raise ValueError(f"recalibrate_batch_norm(): model {model.name!r} is not built.")
     if batch_size < 1 or (steps is not None and steps < 1):
         raise ValueError(f"batch_size and steps must be positive; got {batch_size}, {steps}.")
+    _check_input_arrays(model, x)
     layers = _batch_norms(model)
     if renorm := [layer.name for layer in layers if layer.renorm]:
         raise ValueError(
