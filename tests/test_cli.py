@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -147,10 +148,17 @@ def test_export_of_a_subclassed_model_takes_its_inputs_from_the_command_line(tmp
     np.testing.assert_allclose(
         served(x=tf.constant(x))["output_0"].numpy(), model(x), rtol=1e-5, atol=1e-6
     )
-    with pytest.raises(SystemExit) as bad:
-        main(["export", path, str(tmp_path / "c" / "1"), "--input", "x:float32"])
-    assert bad.value.code == 2
-    assert "expected NAME:DTYPE:SHAPE" in capsys.readouterr().err
+    for spec, message in [
+        ("x:float32", "expected NAME:DTYPE:SHAPE"),
+        ("x:float32:None,8:extra", "expected NAME:DTYPE:SHAPE"),
+        ("x:float32:-3,8", "sizes >= 0"),
+        ("a b:float32:None,8", "input name 'a b' .* must be an identifier"),
+    ]:
+        with pytest.raises(SystemExit) as bad:
+            main(["export", path, str(tmp_path / "c" / "1"), "--input", spec])
+        assert bad.value.code == 2
+        assert re.search(message, capsys.readouterr().err), spec
+    assert not (tmp_path / "c").exists()
 
 
 NET_MODULE = '''

@@ -413,7 +413,7 @@ def test_subclassed_model_called_with_a_dict_takes_a_dict_signature(tmp_path):
     served = load(tmp_path / "1").signatures["serving_default"](**x)["output_0"]
     np.testing.assert_allclose(served.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-5)
     assert verify(tmp_path / "1", against=model)["max_abs_diff"]["output_0"] < 1e-4
-    with pytest.raises(ValueError, match="identifier keys"):
+    with pytest.raises(ValueError, match=r"must be identifiers .*Received: \['not valid'\]"):
         export(model, tmp_path / "2", input_signature={"not valid": tf.TensorSpec([None, 12])})
 
 
@@ -1093,8 +1093,15 @@ def test_input_names_tensorflow_cannot_take_as_arguments_get_a_suffix(tmp_path):
     assert verify(tmp_path / "1", against=model)["max_abs_diff"]["out"] < 1e-5
     for chosen in (["x", "X", "s"], ["x", "self", "s"]):
         specs = [tf.TensorSpec([None, 8], tf.float32, name=n) for n in chosen]
-        with pytest.raises(ValueError, match=r"unique, also ignoring case .* not 'self'"):
+        with pytest.raises(ValueError, match=r"unique also ignoring case .* not 'self'"):
             export(model, tmp_path / "2", input_signature=specs)
+    with pytest.raises(ValueError, match=r"must be identifiers .*Received: \['a b', 'X', 's'\]"):
+        export(model, tmp_path / "2", input_signature=[
+            tf.TensorSpec([None, 8], tf.float32, name=n) for n in ("a b", "X", "s")])
+    # A string cannot be cast to the model's float input: every served call would fail.
+    strings = [tf.TensorSpec([None, 8], tf.string, name=n) for n in ("x", "X_1", "self_1")]
+    with pytest.raises(ValueError, match=r"input 'x' is string, but model .* takes float32"):
+        export(model, tmp_path / "2", input_signature=strings)
     assert not (tmp_path / "2").exists()
 
 

@@ -16,6 +16,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
 
 
@@ -58,14 +59,20 @@ def _add_import(parser: argparse.ArgumentParser) -> None:
 
 def _input_spec(text: str):
     """`NAME:DTYPE:SHAPE` (`x:float32:None,16`) -> a named `tf.TensorSpec`."""
-    name, dtype, shape = (text.split(":") + ["", ""])[:3]
+    fields = text.split(":")
+    name, dtype, shape = fields if len(fields) == 3 else ("", "", "")
     try:
         dims = [None if d.strip() in ("None", "-1", "") else int(d) for d in shape.split(",")]
     except ValueError:
         dims = None
-    if not name or not dtype or not shape or dims is None:
+    if not name or not dtype or not shape or dims is None or any(d < 0 for d in dims if d):
         raise argparse.ArgumentTypeError(
-            f"expected NAME:DTYPE:SHAPE such as x:float32:None,16. Received: {text!r}"
+            "expected NAME:DTYPE:SHAPE such as x:float32:None,16 (dimensions: sizes >= 0, or "
+            f"None for any). Received: {text!r}"
+        )
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        raise argparse.ArgumentTypeError(
+            f"input name {name!r} in {text!r} must be an identifier ([A-Za-z_][A-Za-z0-9_]*)"
         )
     import tensorflow as tf  # noqa: PLC0415  (heavy; only when the option is used)
 

@@ -437,11 +437,35 @@ INPUT_NAME_RULES = {"ignore_case": True, "reserved": ("self",)}
 
 
 def _check_signature_names(names: list[str]) -> None:
-    if unique_names(names, **INPUT_NAME_RULES) != names:
+    identifiers = all(re.fullmatch(r"[A-Za-z_]\w*", str(n)) for n in names)
+    if not identifiers or unique_names(names, **INPUT_NAME_RULES) != names:
         raise ValueError(
-            "input_signature names must be unique, also ignoring case (TensorFlow makes them the "
-            f"serving function's arguments), and not 'self'. Received: {names}"
+            "input_signature names must be identifiers ([A-Za-z_][A-Za-z0-9_]*), unique also "
+            "ignoring case (TensorFlow makes them the serving function's arguments), and not "
+            f"'self'. Received: {names}"
         )
+
+
+def _check_castable(model: keras.Model, specs: list[tf.TensorSpec]) -> list[tf.TensorSpec]:
+    """Refuses a spec whose dtype the model's input cannot be cast from (a string for a number):
+    the trace would pass, and every served call fail."""
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):  # no symbolic inputs: nothing to compare with
+        return specs
+    if isinstance(structure, dict) and {s.name for s in specs} == set(structure):
+        pairs = [(s, structure[s.name]) for s in specs]  # a dict signature binds by name
+    else:
+        inputs = keras.tree.flatten(structure)
+        pairs = list(zip(specs, inputs)) if len(inputs) == len(specs) else []
+    for spec, t in pairs:
+        if (spec.dtype == tf.string) != (tf.as_dtype(t.dtype) == tf.string):
+            raise ValueError(
+                f"input_signature: input {spec.name!r} is {spec.dtype.name}, but model "
+                f"{model.name!r} takes {tf.as_dtype(t.dtype).name} there ({t.name!r}): one "
+                "cannot be cast to the other."
+            )
+    return specs
 
 
 def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
@@ -449,14 +473,14 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
     named specs, one named spec, or `{name: spec}`), else the model's symbolic inputs (names
     sanitised, unique)."""
     if isinstance(input_signature, dict):
-        bad = [k for k in input_signature if not re.fullmatch(r"[A-Za-z_]\w*", str(k))]
-        if bad or not all(isinstance(s, tf.TensorSpec) for s in input_signature.values()):
+        if not all(isinstance(s, tf.TensorSpec) for s in input_signature.values()):
             raise ValueError(
-                "a dict input_signature maps identifier keys ([A-Za-z_][A-Za-z0-9_]*) to "
-                f"tf.TensorSpec. Received: {input_signature}"
+                f"a dict input_signature maps names to tf.TensorSpec. Received: {input_signature}"
             )
         _check_signature_names(list(input_signature))
-        return [tf.TensorSpec(s.shape, s.dtype, name=k) for k, s in input_signature.items()]
+        return _check_castable(
+            model, [tf.TensorSpec(s.shape, s.dtype, name=k) for k, s in input_signature.items()]
+        )
     if isinstance(input_signature, tf.TensorSpec):
         input_signature = [input_signature]  # one input, as Keras' model.export takes it
     if input_signature is not None:
@@ -475,8 +499,8 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
             )
         if own is not None and sorted(own) == sorted(names):  # the model's names: bound by name
             by_name = {s.name: s for s in specs}
-            return [by_name[name] for name in own]
-        return specs
+            return _check_castable(model, [by_name[name] for name in own])
+        return _check_castable(model, specs)
     try:
         inputs = keras.tree.flatten(model.input)
     except (AttributeError, ValueError) as e:
