@@ -551,6 +551,80 @@ def test_containers_written_by_hand_find_the_weights_inside():
     assert [(pw.name, pw.axis) for pw in td.pruned_weights] == [("inner/kernel", 0)]
 
 
+@keras.saving.register_keras_serializable(package="test_wrapper")
+class Block(keras.layers.Layer):
+    """A user block: a Dense and an already wrapped Dense as attributes, a norm of no kind."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = keras.layers.Dense(8, name="proj")
+        self.norm = keras.layers.LayerNormalization(name="norm")
+        self.out = Sparse24(keras.layers.Dense(4, name="out"))
+
+    def build(self, shape):
+        self.proj.build(shape)
+        self.norm.build((*shape[:-1], 8))
+        self.out.build((*shape[:-1], 8))
+
+    def call(self, x):
+        return self.out(self.norm(self.proj(x)))
+
+
+def test_a_block_written_by_hand_finds_the_weights_of_the_layers_inside(tmp_path):
+    """As prune() plans a block of a Functional model; the wrapper inside keeps its own kernel."""
+    x = SEQ[:, 0]
+    wrapper = Sparse24(Block(name="blk"))
+    wrapper(x)
+    assert [(pw.name, pw.axis) for pw in wrapper.pruned_weights] == [("proj/kernel", 0)]
+    wrapper.update_masks()
+    wrapper.layer.out.update_masks()
+    kernel = wrapper.layer.proj.kernel.numpy().astype(np.float64)
+    h = x @ (kernel * reference_mask(kernel, 2, 4, 0)) + wrapper.layer.proj.bias.numpy()
+    h = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-3)
+    out = wrapper.layer.out.layer
+    w = out.kernel.numpy().astype(np.float64)
+    want = h @ (w * reference_mask(w, 2, 4, 0)) + out.bias.numpy()
+    np.testing.assert_allclose(wrapper(x), want, rtol=1e-5, atol=1e-5)
+    model = keras.Sequential([keras.Input((8,)), wrapper])
+    model.save(tmp_path / "block.keras")
+    loaded = keras.models.load_model(tmp_path / "block.keras")
+    np.testing.assert_allclose(loaded(x), want, rtol=1e-5, atol=1e-5)
+    empty = Sparse24(keras.layers.Dropout(0.1), name="nothing")
+    with pytest.raises(ValueError, match=r"not a prunable kind, nor any layer inside it.*weights="):
+        empty(x)
+
+
+def test_an_axis_the_weight_does_not_have_is_refused_not_wrapped_around():
+    x = SEQ[:, 0]
+    dense = keras.layers.Dense(8, name="d")
+    dense(x)
+    for axis in (2, -3):
+        wrapper = Sparse24(dense, weights={"kernel": 0, "bias": axis})
+        with pytest.raises(ValueError, match=rf"'d': weight 'bias' \(8,\) has no axis {axis}"):
+            wrapper(x)
+        assert not wrapper.pruned_weights and not wrapper.weights[2:]  # nothing made
+    with pytest.raises(ValueError, match=r"weight 'kernel' \(8, 8\) has no axis 2 \(axes -2..1\)"):
+        Sparse24(dense, weights={"kernel": 2})(x)
+
+    class Counted(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 4), name="w")
+            self.count = self.add_weight(shape=(), dtype="int32", name="count", trainable=False)
+
+        def call(self, x):
+            return x @ self.w
+
+        def get_prunable_weights(self):
+            return [(self.w, 5)]
+
+    counted = Counted(name="counted")
+    counted(x)
+    with pytest.raises(ValueError, match=r"'counted': weight 'count' \(\) has no axis 0: a scalar"):
+        Sparse24(counted, weights={"w": 0, "count": 0})(x)
+    with pytest.raises(ValueError, match=r"returned counted/w \(8, 4\) with axis 5"):
+        Sparse24(counted)(x)
+
+
 @pytest.mark.parametrize("dtype, tol", [("float16", 1e-2), ("bfloat16", 5e-2), ("float64", 1e-12)])
 def test_a_layer_of_another_float_dtype_runs_in_its_own_dtype(dtype, tol):
     """A Dense(dtype="float16") etc. in a float32 world: its weights are mapped in its dtype (they

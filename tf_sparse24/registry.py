@@ -220,6 +220,12 @@ def _candidates(
                     f"Layer {layer.name!r}: get_prunable_weights() returned {var.path}, which is not "
                     "one of its own variables."
                 )
+            if var.ndim >= 2 and not -var.ndim <= axis < var.ndim:
+                raise ValueError(
+                    f"Layer {layer.name!r}: get_prunable_weights() returned {var.path} "
+                    f"{tuple(var.shape)} with axis {axis}: expected an axis in "
+                    f"[{-var.ndim}, {var.ndim - 1}]."
+                )
             candidates.append((named[id(var)], var, axis))
         return candidates, []
     if isinstance(layer, L.EinsumDense):

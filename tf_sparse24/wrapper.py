@@ -182,6 +182,25 @@ def _is_data(value) -> bool:
     return tf.is_tensor(value)
 
 
+def _block_weights(layer: keras.layers.Layer, m: int, variables: dict[str, keras.Variable]):
+    """`scan_layer` for the layers inside `layer` (a user's block: its Layer-valued attributes),
+    as `prune()` plans them: paths relative to `layer`, each weight named once, by the outermost
+    layer that names it (MultiHeadAttention before its EinsumDenses); weights already wrapped
+    inside it are left to their wrapper."""
+    path_of = {id(v): p for p, v in variables.items()}
+    inside = list(layer._flatten_layers(include_self=False))
+    taken = {id(v) for sub in inside if isinstance(sub, Sparse24) for v in sub.layer.weights}
+    eligible, reasons = [], []
+    for sub in inside:
+        if isinstance(sub, (Sparse24, keras.Model)) or not sub.weights:
+            continue
+        found, why = scan_layer(sub, m)
+        eligible += [(path_of[id(v)], v, a) for _, v, a in found if id(v) not in taken]
+        taken |= {id(v) for _, v, _ in found}
+        reasons += [f"{sub.name}: {reason}" for reason in why]
+    return eligible, reasons
+
+
 @keras.saving.register_keras_serializable(package="tf_sparse24")
 class Sparse24(keras.layers.Wrapper):
     """Runs `layer` with N:M-masked weights; masks are non-trainable weights of the wrapper.
@@ -283,12 +302,20 @@ class Sparse24(keras.layers.Wrapper):
         super().build(input_shape)
         variables = relative_variables(self.layer)
         self._spec = self._resolved_spec(variables)
-        for path, axis in self._spec.items():
+        for path, axis in self._spec.items():  # all checked before any mask is made
             if path not in variables:
                 raise ValueError(
                     f"Sparse24: layer {self.layer.name!r} has no variable {path!r}. "
                     f"Available: {sorted(variables)}"
                 )
+            var = variables[path]
+            if not -var.ndim <= axis < var.ndim:  # `axis % ndim` would pick another axis
+                raise ValueError(
+                    f"Sparse24: layer {self.layer.name!r}: weight {path!r} {tuple(var.shape)} has "
+                    f"no axis {axis}" + (": a scalar has nothing to group." if var.ndim == 0 else
+                                         f" (axes {-var.ndim}..{var.ndim - 1}).")
+                )
+        for path, axis in self._spec.items():
             var = variables[path]
             mask = self.add_weight(
                 name=path.replace("/", "_") + "_mask",
@@ -348,12 +375,16 @@ class Sparse24(keras.layers.Wrapper):
         named paths, read by the older scope rule where they are not current paths (configs saved
         before positions were)."""
         if self._spec is None:
-            eligible, reasons = scan_layer(self.layer, parse_pattern(self.pattern)[1])
+            m = parse_pattern(self.pattern)[1]
+            eligible, reasons = scan_layer(self.layer, m)
+            if not eligible and not reasons:  # not a kind the registry knows: a user's block
+                eligible, reasons = _block_weights(self.layer, m, variables)
             if not eligible:
                 raise ValueError(
                     f"Sparse24: layer {self.layer.name!r} ({type(self.layer).__name__}) has no "
                     f"weight to prune for pattern {self.pattern}: "
-                    f"{'; '.join(reasons) or 'not a prunable kind'}."
+                    f"{'; '.join(reasons) or 'not a prunable kind, nor any layer inside it'}. "
+                    "Name the weights: Sparse24(layer, weights={'kernel': 0})."
                 )
             return {path: axis for path, _, axis in eligible}
         path_of = {id(v): p for p, v in variables.items()}
