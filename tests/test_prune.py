@@ -229,6 +229,17 @@ def test_subclassed_model_prune_returns_masked_copy():
     hidden, head = ts.pruned_layers(head_skipped)
     assert hidden.pruned_weights[0].mask.numpy().mean() == 0.5
     assert head.pruned_weights[0].mask.numpy().min() == 1.0
+    # Pruning it again keeps the masks it has (fine-tuned with), as for a Functional model: here
+    # masks keeping the two smallest of each group, which magnitude would replace.
+    for wrapper in ts.pruned_layers(pruned):
+        for pw in wrapper.pruned_weights:
+            smallest = reference_mask(1 / (np.abs(pw.variable.numpy()) + 1e-6), 2, 4, 0)
+            pw.mask.assign(smallest.astype("float32"))
+    kept = [pw.mask.numpy() for w in ts.pruned_layers(pruned) for pw in w.pruned_weights]
+    again = ts.prune(pruned)
+    assert all(np.array_equal(a, pw.mask.numpy()) for a, pw in
+               zip(kept, [pw for w in ts.pruned_layers(again) for pw in w.pruned_weights]))
+    np.testing.assert_allclose(again(x), pruned(x), rtol=1e-6, atol=1e-6)
 
 
 def test_subclassed_selectors_reach_the_wrapped_layers():

@@ -454,7 +454,7 @@ def prune(
     _check_untied(model, "prune")
     # Wrappers the model already has (a user's, also inside a subclassed block) whose masks are
     # still ones get theirs too; computed masks are kept.
-    existing = _magnitude_masks(model, pattern, layers, skip, method, unset_only=True)
+    existing = _unset_masks(model, pattern, layers, skip, method)
     pattern = "2:4" if pattern is None else pattern
     plan = _plan(model, pattern, layers, skip, method)
     reached = set()
@@ -511,7 +511,8 @@ def _planned_weights(layer, copy, plan: dict[int, dict], reached: set[int]) -> d
 def _prune_subclassed(model, pattern: str | None, layers, skip, method: str) -> keras.Model:
     """Copies a subclassed model and sets magnitude masks in its (selected) Sparse24 layers.
 
-    The wrappers keep their own pattern (their `call` is the model's code, not rebuilt here).
+    The wrappers keep their own pattern (their `call` is the model's code, not rebuilt here), and
+    computed masks are kept, as in a Functional model: only masks still all ones are computed.
     Masks are matched by position, since a copy made from the config gets fresh layer names.
     """
     if not pruned_layers(model):
@@ -520,16 +521,17 @@ def _prune_subclassed(model, pattern: str | None, layers, skip, method: str) -> 
             "layers. Wrap its prunable layers with tf_sparse24.Sparse24 in __init__ (see "
             "docs/USAGE.md), or build it as a Sequential/Functional model."
         )
-    masks = _magnitude_masks(model, pattern, layers, skip, method)
+    masks = _unset_masks(model, pattern, layers, skip, method)
     copy = _copy_model(model)
     _assign_masks(model, copy, masks)
     return copy
 
 
-def _magnitude_masks(model, pattern: str | None, layers, skip, method: str, unset_only=False):
-    """`{id(wrapper): masks}`: magnitude masks for the model's own `Sparse24` layers that the
-    selectors pick (by the wrapper, the layer it wraps or a layer inside that), all computed before
-    any is assigned; with `unset_only`, only for wrappers whose masks are all ones."""
+def _unset_masks(model, pattern: str | None, layers, skip, method: str):
+    """`{id(wrapper): (method, masks)}`: masks for the model's own `Sparse24` layers that the
+    selectors pick (by the wrapper, the layer it wraps or a layer inside that) and whose masks are
+    still all ones (never computed; computed ones are kept), all computed before any is
+    assigned."""
 
     def picked(wrapper, selectors) -> bool:
         inside = [wrapper, wrapper.layer, *walk_layers(wrapper.layer)]
@@ -544,7 +546,7 @@ def _magnitude_masks(model, pattern: str | None, layers, skip, method: str, unse
     if pattern is not None and (other := [w.name for w in selected if w.pattern != pattern]):
         how = (
             "To change it, prune tf_sparse24.strip(model) instead (a plain copy, weights as now)"
-            if unset_only  # a Sequential/Functional model: its graph is rebuilt
+            if isinstance(model, keras.Sequential) or _is_functional(model)  # graph rebuilt
             else "Set the pattern where the model makes them (Sparse24(layer, pattern))"
         )
         raise ValueError(
@@ -552,10 +554,7 @@ def _magnitude_masks(model, pattern: str | None, layers, skip, method: str, unse
             f"{model.name!r} were made with another pattern, which they keep. {how}, or omit "
             "it here."
         )
-    chosen = [
-        w for w in selected
-        if not (unset_only and any(not np.all(pw.mask.numpy()) for pw in w.pruned_weights))
-    ]  # fmt: skip
+    chosen = [w for w in selected if all(np.all(pw.mask.numpy()) for pw in w.pruned_weights)]
     methods = {id(w): _wrapper_method(w, method) for w in chosen}  # all checked first
     return {
         id(w): (methods[id(w)], [
