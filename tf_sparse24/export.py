@@ -561,13 +561,14 @@ def flat_outputs(outputs) -> tuple[list, list[str] | None]:
 def unique_names(names: list[str], *, ignore_case: bool = False, reserved=()) -> list[str]:
     """`names` with a later repeat made unique by a `_<k>` suffix: two keys that map to the same
     identifier ("a-b" and "a_b") must not share a signature key, or one tensor would be lost.
-    `ignore_case`: "x" and "X" count as the same; a `reserved` name is always suffixed."""
+    `ignore_case`: "x" and "X" count as the same; a `reserved` name (exactly as written: "self",
+    not "Self") is always suffixed."""
     fold = str.lower if ignore_case else str
     taken, out = {fold(n) for n in names}, []
-    seen = {fold(n) for n in reserved}
+    seen: set[str] = set()
     for name in names:
         new, k = name, 1
-        while fold(new) in seen or (new != name and fold(new) in taken):
+        while new in reserved or fold(new) in seen or (new != name and fold(new) in taken):
             new, k = f"{name}_{k}", k + 1
         seen.add(fold(new))
         out.append(new)
