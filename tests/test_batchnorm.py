@@ -152,10 +152,15 @@ def test_bad_input_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match=r"\['rn'\] use renorm=True"):
         tf_sparse24.recalibrate_batch_norm(renorm, np.zeros((4, 4)))
     x, y = np.ones((8, 6, 6, 4), "float32"), np.ones((8, 3), "float32")
-    for data in ((x, y), [(x[:4], y[:4]), (x[4:], y[4:])]):  # data with targets, a list of batches
-        with pytest.raises(ValueError, match=r"x is a (tuple of 2|list of 4) arrays, read as the "
-                                             r"inputs of model .*, which takes 1"):
-            tf_sparse24.recalibrate_batch_norm(model, data)
+    sequential = keras.Sequential([keras.Input((6, 6, 4)), keras.layers.BatchNormalization()])
+    sequential_stats = [v.numpy() for v in sequential.weights]
+    # Data with targets, a list of batches, a tuple of batches: Keras reads each as the inputs.
+    for data in ((x, y), [(x[:4], y[:4]), (x[4:], y[4:])], (x[:4], x[4:])):
+        for net in (model, sequential):
+            with pytest.raises(ValueError, match=r"x is a (tuple|list) of [24] arrays, read as "
+                                                 r"the inputs of model .*, which takes 1"):
+                tf_sparse24.recalibrate_batch_norm(net, data)
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(sequential_stats, sequential.weights))
     with pytest.warns(UserWarning, match="no BatchNormalization"):
         assert tf_sparse24.recalibrate_batch_norm(
             keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), np.zeros((4, 4))) == []

@@ -38,8 +38,10 @@ def _check_input_arrays(model: keras.Model, x) -> None:
         return
     try:
         wanted = len(keras.tree.flatten(model.input))
-    except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs to count
-        return
+    except (AttributeError, ValueError):  # a Sequential model never called has only `inputs`
+        if not getattr(model, "inputs", None):  # a subclassed model: no symbolic inputs to count
+            return
+        wanted = len(model.inputs)
     if (got := len(keras.tree.flatten(x))) != wanted:
         raise ValueError(
             f"recalibrate_batch_norm(): x is a {type(x).__name__} of {got} arrays, read as the "
