@@ -178,6 +178,12 @@ def test_masks_recomputed_later_keep_the_method_prune_used(tmp_path):
     loaded.compile(keras.optimizers.SGD(0.5), "mse")
     loaded.fit(x, y, epochs=1, batch_size=8, verbose=0)
     check(loaded)
+    # Pruned again with another method: refused, as the masks (and method) are kept.
+    for again in (fixed, srste):
+        with pytest.raises(ValueError, match=r"method='magnitude', but the Sparse24 layers .* "
+                                             r"hold masks computed by another method"):
+            prune(again, method="magnitude")
+        assert all(layer.method == "transposable" for layer in pruned_layers(prune(again)))
     # A wrapper made with a method prune() was not asked for is refused, not overridden.
     with pytest.raises(ValueError, match=r"method='magnitude', but the Sparse24 layer .* "
                                          r"method='transposable'"):

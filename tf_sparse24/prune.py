@@ -22,7 +22,13 @@ from collections.abc import Callable, Iterable
 import keras
 import numpy as np
 
-from tf_sparse24.masks import DEFAULT_METHOD, compute_mask, is_nm_sparse, parse_pattern
+from tf_sparse24.masks import (
+    DEFAULT_METHOD,
+    _mask_method,
+    compute_mask,
+    is_nm_sparse,
+    parse_pattern,
+)
 from tf_sparse24.registry import (
     eligible_weights,
     own_variables,
@@ -410,7 +416,7 @@ def prune(
     *,
     layers: Iterable | None = None,
     skip: Iterable | None = None,
-    method: str = DEFAULT_METHOD,
+    method: str | None = None,
     wrapper: Callable[..., Sparse24] = Sparse24,
 ) -> keras.Model:
     """Returns a copy of a trained `model` with N:M magnitude masks on every prunable layer.
@@ -424,8 +430,10 @@ def prune(
         layers: only prune these (layer names, layer objects or layer classes); None (default):
             every eligible layer. An empty selection is an error, not "everything".
         skip: never prune these (same forms).
-        method: mask method, a key of `tf_sparse24.masks.MASK_METHODS`; the wrappers keep it for
-            later recomputation (`Sparse24Callback(update_every=...)`, SRSTE's every step).
+        method: mask method, a key of `tf_sparse24.masks.MASK_METHODS`; None: "magnitude" (the
+            model's own `Sparse24` layers keep theirs; a different one for those selected whose
+            masks are computed is an error). The wrappers keep it for later recomputation
+            (`Sparse24Callback(update_every=...)`, SRSTE's every step).
         wrapper: the wrapper class (Sequential/Functional models), `Sparse24` or a subclass such as
             `tf_sparse24.SRSTE`, or a callable `(layer, pattern, weights) -> Sparse24` (e.g.
             `functools.partial(SRSTE, decay=1e-4)`). Subclassed models keep their own wrappers.
@@ -447,6 +455,8 @@ def prune(
         raise TypeError(f"prune(): wrapper must be a Sparse24 subclass or a callable returning one. Received: wrapper={wrapper!r}")
     if pattern is not None:
         parse_pattern(pattern)
+    if method is not None:
+        _mask_method(method)
     layers = _check_selectors(model, layers, "layers")
     skip = _check_selectors(model, skip, "skip")
     if not (isinstance(model, keras.Sequential) or _is_functional(model)):
@@ -456,6 +466,7 @@ def prune(
     # still ones get theirs too; computed masks are kept.
     existing = _unset_masks(model, pattern, layers, skip, method)
     pattern = "2:4" if pattern is None else pattern
+    method = DEFAULT_METHOD if method is None else method
     plan = _plan(model, pattern, layers, skip, method)
     reached = set()
 
@@ -508,7 +519,7 @@ def _planned_weights(layer, copy, plan: dict[int, dict], reached: set[int]) -> d
     return spec
 
 
-def _prune_subclassed(model, pattern: str | None, layers, skip, method: str) -> keras.Model:
+def _prune_subclassed(model, pattern: str | None, layers, skip, method: str | None) -> keras.Model:
     """Copies a subclassed model and sets magnitude masks in its (selected) Sparse24 layers.
 
     The wrappers keep their own pattern (their `call` is the model's code, not rebuilt here), and
@@ -527,7 +538,7 @@ def _prune_subclassed(model, pattern: str | None, layers, skip, method: str) -> 
     return copy
 
 
-def _unset_masks(model, pattern: str | None, layers, skip, method: str):
+def _unset_masks(model, pattern: str | None, layers, skip, method: str | None):
     """`{id(wrapper): (method, masks)}`: masks for the model's own `Sparse24` layers that the
     selectors pick (by the wrapper, the layer it wraps or a layer inside that) and whose masks are
     still all ones (never computed; computed ones are kept), all computed before any is
@@ -555,7 +566,16 @@ def _unset_masks(model, pattern: str | None, layers, skip, method: str):
             "it here."
         )
     chosen = [w for w in selected if all(np.all(pw.mask.numpy()) for pw in w.pruned_weights)]
-    methods = {id(w): _wrapper_method(w, method) for w in chosen}  # all checked first
+    kept = [w for w in selected if w not in chosen]
+    if method is not None and (other := [w.name for w in kept if w.method != method]):
+        raise ValueError(
+            f"prune(): method={method!r}, but the Sparse24 layers {other} of model "
+            f"{model.name!r} hold masks computed by another method, which they keep. Recompute "
+            "them (layer.update_masks(method)) first, or omit the method here."
+        )
+    methods = {  # all checked before any mask is computed
+        id(w): w.method if method is None else _wrapper_method(w, method) for w in chosen
+    }
     return {
         id(w): (methods[id(w)], [
             compute_mask(pw.variable, pw.pattern, pw.axis, methods[id(w)], name=pw.variable.path)
