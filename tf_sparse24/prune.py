@@ -36,39 +36,11 @@ from tf_sparse24.registry import (
     relative_variables,
     scan_layer,
 )
-from tf_sparse24.wrapper import Sparse24
+from tf_sparse24.wrapper import Sparse24, _sublayers, claim_eligible_weights, walk_layers
 
 __all__ = [
     "LayerReport", "eligible_weights", "prune", "pruned_layers", "report", "strip", "walk_layers",
 ]
-
-
-def _sublayers(layer) -> list:
-    """Direct sublayers: a model's `layers`, or Layer-valued attributes of a custom layer."""
-    if isinstance(layer, keras.Model):
-        return list(layer.layers)
-    found = []
-    for value in vars(layer).values():
-        items = value if isinstance(value, (list, tuple)) else [value]
-        found += [v for v in items if isinstance(v, keras.layers.Layer)]
-    return found
-
-
-def walk_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
-    """Every layer under `model` (depth first, each once; wrappers are not entered): nested models
-    and the Layer-valued attributes of custom layers included."""
-    seen, out = set(), []
-
-    def visit(layer):
-        for sub in _sublayers(layer):
-            if id(sub) not in seen:
-                seen.add(id(sub))
-                out.append(sub)
-                if not isinstance(sub, Sparse24):
-                    visit(sub)
-
-    visit(model)
-    return out
 
 
 def pruned_layers(model: keras.layers.Layer) -> list[Sparse24]:
@@ -206,16 +178,11 @@ def _plan(model, pattern: str, layers, skip, method: str) -> dict[int, dict]:
     # (skip=[EinsumDense] keeps MultiHeadAttention's projections dense).
     taken = {id(v) for layer in everything if id(layer) in skipped for v in layer.weights}
     plan = {}
-    for layer in everything:
-        if isinstance(layer, (keras.Model, Sparse24)) or not layer.weights:
-            continue
-        if (layers and id(layer) not in selected) or id(layer) in skipped:
-            continue
-        eligible, _ = scan_layer(layer, m)
-        # walk_layers lists a layer before its sublayers: MultiHeadAttention's table plans its
-        # projections, its EinsumDenses then find them taken.
-        eligible = [(p, v, a) for p, v, a in eligible if id(v) not in taken]
-        taken |= {id(v) for _, v, _ in eligible}
+    candidates = [
+        layer for layer in everything
+        if not ((layers and id(layer) not in selected) or id(layer) in skipped)
+    ]  # fmt: skip
+    for layer, eligible, _ in claim_eligible_weights(candidates, m, taken):
         if eligible:
             plan[id(layer)] = {
                 id(var): (axis, compute_mask(var, pattern, axis, method,
@@ -565,8 +532,9 @@ def _unset_masks(model, pattern: str | None, layers, skip, method: str | None):
             f"{model.name!r} were made with another pattern, which they keep. {how}, or omit "
             "it here."
         )
-    chosen = [w for w in selected if all(np.all(pw.mask.numpy()) for pw in w.pruned_weights)]
-    kept = [w for w in selected if w not in chosen]
+    unset = [all(np.all(pw.mask.numpy()) for pw in w.pruned_weights) for w in selected]
+    chosen = [w for w, ones in zip(selected, unset) if ones]
+    kept = [w for w, ones in zip(selected, unset) if not ones]
     if method is not None and (other := [w.name for w in kept if w.method != method]):
         raise ValueError(
             f"prune(): method={method!r}, but the Sparse24 layers {other} of model "

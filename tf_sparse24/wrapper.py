@@ -182,21 +182,58 @@ def _is_data(value) -> bool:
     return tf.is_tensor(value)
 
 
+def _sublayers(layer) -> list:
+    """Direct sublayers: a model's `layers`, or Layer-valued attributes of a custom layer."""
+    if isinstance(layer, keras.Model):
+        return list(layer.layers)
+    found = []
+    for value in vars(layer).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        found += [v for v in items if isinstance(v, keras.layers.Layer)]
+    return found
+
+
+def walk_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """Every layer under `model` (depth first, each once; wrappers are not entered): nested models
+    and the Layer-valued attributes of custom layers included."""
+    seen, out = set(), []
+
+    def visit(layer):
+        for sub in _sublayers(layer):
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+                if not isinstance(sub, Sparse24):
+                    visit(sub)
+
+    visit(model)
+    return out
+
+
+def claim_eligible_weights(layers: list, m: int, taken: set[int]):
+    """`(layer, eligible, reasons)` for each of `layers` that holds weights (models and wrappers
+    left out), as `scan_layer` gives them, less the weights a layer before it claimed: in
+    `walk_layers` order a layer comes before its sublayers, so MultiHeadAttention's table claims
+    its projections and its EinsumDenses find them taken. `taken` (variable ids) grows."""
+    for layer in layers:
+        if isinstance(layer, (keras.Model, Sparse24)) or not layer.weights:
+            continue
+        eligible, reasons = scan_layer(layer, m)
+        eligible = [(p, v, a) for p, v, a in eligible if id(v) not in taken]
+        taken |= {id(v) for _, v, _ in eligible}
+        yield layer, eligible, reasons
+
+
 def _block_weights(layer: keras.layers.Layer, m: int, variables: dict[str, keras.Variable]):
     """`scan_layer` for the layers inside `layer` (a user's block: its Layer-valued attributes),
-    as `prune()` plans them: paths relative to `layer`, each weight named once, by the outermost
-    layer that names it (MultiHeadAttention before its EinsumDenses); weights already wrapped
-    inside it are left to their wrapper."""
+    claimed as `prune()` plans them, with paths relative to `layer`; weights of wrappers already
+    inside it are left to them."""
     path_of = {id(v): p for p, v in variables.items()}
-    inside = list(layer._flatten_layers(include_self=False))
+    inside = walk_layers(layer)
     taken = {id(v) for sub in inside if isinstance(sub, Sparse24) for v in sub.layer.weights}
     eligible, reasons = [], []
-    for sub in inside:
-        if isinstance(sub, (Sparse24, keras.Model)) or not sub.weights:
-            continue
-        found, why = scan_layer(sub, m)
-        eligible += [(path_of[id(v)], v, a) for _, v, a in found if id(v) not in taken]
-        taken |= {id(v) for _, v, _ in found}
+    for sub, found, why in claim_eligible_weights(inside, m, taken):
+        eligible += [(path_of[id(v)], v, a) for _, v, a in found]
         reasons += [f"{sub.name}: {reason}" for reason in why]
     return eligible, reasons
 
