@@ -381,18 +381,97 @@ def test_resuming_a_schedule_on_data_of_unknown_size_without_optimizer_state_is_
     assert all(np.array_equal(a, b) for a, b in zip(masks(model), before))  # nothing reset
 
 
-def test_masks_due_inside_the_last_execution_are_computed_at_the_end_of_fit():
-    model = pruned_mlp()
-    model.compile(keras.optimizers.SGD(0.05),
+class EpochEndMasks(keras.callbacks.Callback):
+    """Masks as an epoch-end checkpoint (listed after Sparse24Callback) would save them."""
+
+    def __init__(self):
+        super().__init__()
+        self.at_epoch_end = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.at_epoch_end.append(masks(self.model))
+
+
+def fit_in_executions_of_4(model, callbacks, epochs=1, optimizer=None):
+    model.compile(optimizer or keras.optimizers.SGD(0.05),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   steps_per_execution=4)
-    # 8 steps: executions 0-3 and 4-7; step 6 is due inside the last one.
-    model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
-              callbacks=[ts.Sparse24Callback(start_step=6)])
+    # 8 steps an epoch: executions 0-3 and 4-7.
+    return model.fit(X, Y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+                     callbacks=callbacks)
+
+
+def test_masks_due_inside_the_last_execution_are_in_the_epoch_end_checkpoint():
+    """Step 6 is due inside the last execution of epoch 0: computed at the end of that
+    execution, so an epoch-end checkpoint (or BackupAndRestore) holds them, and a run resumed
+    from it does not lose them."""
+    model, saved = pruned_mlp(), EpochEndMasks()
+    fit_in_executions_of_4(model, [ts.Sparse24Callback(start_step=6), saved])
+    assert [m.mean() for m in saved.at_epoch_end[0]] == [0.5] * 3
     for layer in ts.pruned_layers(model):
         for pw in layer.pruned_weights:
-            assert pw.mask.numpy().mean() == 0.5, pw.name
             assert ts.is_nm_sparse(layer.effective_weight(pw), "2:4", pw.axis)
+
+
+class StopAfterFirstEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        raise RuntimeError("preempted")
+
+
+def test_a_run_resumed_by_backup_and_restore_equals_the_uninterrupted_one(tmp_path):
+    def run(extra=()):
+        model = pruned_mlp()
+        callbacks = [keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+                     ts.Sparse24Callback(start_step=6, update_every=5), *extra]
+        fit_in_executions_of_4(model, callbacks, epochs=2)
+        return model
+
+    whole = run()
+    with pytest.raises(RuntimeError, match="preempted"):
+        run([StopAfterFirstEpoch()])
+    resumed = run()
+    for a, b in zip(whole.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_early_stopping_restores_the_best_epoch_without_new_masks_after_it():
+    """The masks due inside epoch 1's last execution are computed before EarlyStopping restores
+    epoch 0's weights, not after: the model fit() returns is the restored one."""
+    model = pruned_mlp()
+    best = EpochEndMasks()
+    stop = keras.callbacks.EarlyStopping("loss", patience=1, mode="max",
+                                         restore_best_weights=True)  # "max": epoch 0 is best
+    callbacks = [stop, ts.Sparse24Callback(update_every=7), best]  # the documented order
+    fit_in_executions_of_4(model, callbacks, epochs=3, optimizer=keras.optimizers.Adam(0.05))
+    assert stop.stopped_epoch == 1
+    for got, want in zip(masks(model), best.at_epoch_end[0]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_method_a_layer_cannot_take_fails_before_the_first_step():
+    model = pruned_mlp()  # the last kernel, 8 x 2, has no 4x4 blocks
+    compile_(model, keras.optimizers.SGD(0.05))
+    before = masks(model)
+    name = ts.pruned_layers(model)[-1].name
+    with pytest.raises(ValueError, match=rf"{name}/kernel with shape \(8, 2\).*4x4"):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[ts.Sparse24Callback(start_step=2, method="transposable")])
+    assert int(model.optimizer.iterations) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(masks(model), before))
+
+
+def test_a_layer_that_fails_its_mask_computation_leaves_every_mask_as_it_was():
+    model = pruned_mlp()
+    first, last = ts.pruned_layers(model)[0], ts.pruned_layers(model)[-1]
+    first.pruned_weights[0].variable.assign(RNG.normal(size=(16, 16)))  # other masks due
+    bad = last.pruned_weights[0].variable
+    bad.assign(np.where(np.eye(*bad.shape), np.nan, bad.numpy()))
+    compile_(model, keras.optimizers.SGD(0.05))
+    before = masks(model)
+    with pytest.raises(ValueError, match=f"{last.name}/kernel .* NaN"):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[ts.Sparse24Callback(start_step=0)])
+    assert all(np.array_equal(a, b) for a, b in zip(masks(model), before))
 
 
 class RestoreDenseWarmUp(keras.callbacks.Callback):

@@ -13,7 +13,7 @@ import warnings
 import keras
 import numpy as np
 
-from tf_sparse24.masks import _mask_method, is_nm_sparse
+from tf_sparse24.masks import _mask_method, check_mask_shape, is_nm_sparse
 from tf_sparse24.prune import not_nm_weights, pruned_layers
 
 
@@ -23,10 +23,10 @@ class Sparse24Callback(keras.callbacks.Callback):
     The training step is `optimizer.iterations` (saved with the optimizer; one per optimizer
     update), offset to the updates of `initial_epoch * steps_per_epoch` batches when resuming
     without optimizer state (an optimizer at step 0).
-    It is read before each batch callback; with `steps_per_execution > 1` (one callback per
-    execution) a computation due inside an execution runs at the next execution boundary, at
-    most `steps_per_execution - 1` steps late (masks stay as they were until then), or at the end of
-    `fit` if that comes first (then no step has trained with them).
+    It is read at each batch callback; with `steps_per_execution > 1` (one callback per
+    execution) a computation due inside an execution runs at the end of that execution, at most
+    `steps_per_execution - 1` steps late (masks stay as they were until then), before the
+    epoch-end callbacks see the model (checkpoints and backups hold the new masks).
 
     Order in `callbacks=[...]`: after EarlyStopping / ModelCheckpoint, before CSVLogger and
     TensorBoard. Callbacks listed after this one see its logs; at the end of `fit` it warns if a
@@ -91,6 +91,11 @@ class Sparse24Callback(keras.callbacks.Callback):
                 f"Sparse24Callback: model {self.model.name!r} has no Sparse24 layers; "
                 "call tf_sparse24.prune(model) first."
             )
+        if self.start_step is not None or self.update_every is not None:
+            for layer in self._layers:  # a method a layer cannot take fails now, not mid-fit
+                for pw in layer.pruned_weights:
+                    check_mask_shape(tuple(pw.variable.shape), pw.pattern, pw.axis,
+                                     self.method or layer.method, f"{layer.name}/{pw.name}")
         self._offset = self._next = None
         self._warned_unbuilt = False
 
@@ -155,7 +160,6 @@ class Sparse24Callback(keras.callbacks.Callback):
         if self._next is None:
             return
         step = self._iterations() + self._offset
-        # A step due inside the previous execution (steps_per_execution > 1) runs now, once.
         if self._next <= step:
             if not self.model.built:
                 # Keras builds a model it was given unbuilt inside the first train step, after
@@ -172,19 +176,26 @@ class Sparse24Callback(keras.callbacks.Callback):
                 return
             self._compute_masks(step)
 
+    def on_train_batch_end(self, batch, logs=None):
+        # Due inside the execution that just ran (steps_per_execution > 1, or a model Keras built
+        # in its first step): computed now, before an epoch-end checkpoint or EarlyStopping's
+        # restore, rather than at the next batch (which a resumed run would never see).
+        if self._next is not None and self.model.built:
+            if self._next < (step := self._iterations() + self._offset):
+                self._compute_masks(step)
+
     def _compute_masks(self, step: int) -> None:
-        for layer in self._layers:
-            layer.update_masks(self.method)
+        """Every layer's new masks, all computed before any is assigned: a layer that fails
+        (NaN weights) leaves every mask as it was."""
+        masks = [layer.computed_masks(self.method) for layer in self._layers]
+        for layer, layer_masks in zip(self._layers, masks):
+            layer.assign_masks(layer_masks, self.method)
         self._next = self._due_from(step + 1)
 
     def on_train_end(self, logs=None):
         if self._offset is None:  # no epoch ran
             return
-        step = self._iterations() + self._offset
-        # Due inside the last execution (steps_per_execution > 1): a step that ran without them.
-        # One due at `step` belongs to the next fit(), whose first step it precedes.
-        if self._next is not None and self._next < step and self.model.built:
-            self._compute_masks(step)
+        # One due at the last step belongs to the next fit(), whose first step it precedes.
         if self.check and not self._in_warm_up and (broken := not_nm_weights(self._layers)):
             warnings.warn(
                 f"Sparse24Callback: at the end of fit() the effective weights {broken} are not "

@@ -108,23 +108,37 @@ def _weight_name(weight, name: str | None) -> str:
     )
 
 
-def _groups_view(w: tf.Tensor, m: int, axis: int, label: str) -> tf.Tensor:
-    """Reshapes `w` to `[G, M, P]`: M consecutive elements along `axis` form axis 1."""
-    shape = list(w.shape)
+def _groups_shape(shape: tuple, m: int, axis: int, label: str) -> tuple[int, int, int]:
+    """The `[G, M, P]` view of a weight of `shape` in which M consecutive elements along `axis`
+    form axis 1; raises ValueError naming the weight if there is none."""
+    shape = tuple(shape)
     rank = len(shape)
     if rank == 0 or not -rank <= axis < rank:
-        raise ValueError(
-            f"Axis {axis} is out of range for weight {label} with shape {tuple(shape)}."
-        )
+        raise ValueError(f"Axis {axis} is out of range for weight {label} with shape {shape}.")
     axis %= rank
     if shape[axis] % m:
         raise ValueError(
-            f"Weight {label} with shape {tuple(shape)} has {shape[axis]} elements along axis "
+            f"Weight {label} with shape {shape} has {shape[axis]} elements along axis "
             f"{axis}, not a multiple of M={m}: it cannot be grouped."
         )
     before = int(np.prod(shape[:axis], dtype=np.int64))
     after = int(np.prod(shape[axis + 1 :], dtype=np.int64))
-    return tf.reshape(w, [before * (shape[axis] // m), m, after])
+    return before * (shape[axis] // m), m, after
+
+
+def check_mask_shape(
+    shape: tuple, pattern: str, axis: int, method: str, label: str
+) -> tuple[int, int, int]:
+    """Raises the ValueError `compute_mask` would for a weight of `shape` (bad pattern, method,
+    axis, or a shape the method cannot take), without computing anything; returns the weight's
+    `[G, M, P]` groups view shape."""
+    n, m = parse_pattern(pattern)
+    _mask_method(method)
+    groups = _groups_shape(shape, m, axis, label)
+    check = MASK_METHOD_CHECKS.get(method)
+    if check is not None and (problem := check(groups, n)):
+        raise ValueError(f"Weight {label} with shape {tuple(shape)}: {problem}.")
+    return groups
 
 
 @tf.function(reduce_retracing=True, autograph=False)
@@ -169,15 +183,11 @@ def compute_mask(
         >>> compute_mask(tf.constant([[4.0], [1.0], [-3.0], [2.0]])).numpy().ravel()
         array([1., 0., 1., 0.], dtype=float32)
     """
-    n, m = parse_pattern(pattern)
-    fn = _mask_method(method)
     w = tf.convert_to_tensor(weight)
     label = _weight_name(weight, name)
-    groups = _groups_view(w, m, axis, label)
-    check = MASK_METHOD_CHECKS.get(method)
-    if check is not None and (problem := check(tuple(groups.shape), n)):
-        raise ValueError(f"Weight {label} with shape {tuple(w.shape)}: {problem}.")
-    keep, finite = _keep_and_finite(groups, n, m, fn)
+    groups = tf.reshape(w, check_mask_shape(w.shape, pattern, axis, method, label))
+    n, m = parse_pattern(pattern)
+    keep, finite = _keep_and_finite(groups, n, m, _mask_method(method))
     if tf.executing_eagerly():
         if not bool(finite):
             bad = int(tf.reduce_sum(tf.cast(~tf.math.is_finite(w), tf.int64)))
@@ -198,7 +208,7 @@ def is_nm_sparse(
     """True if every group of M consecutive elements along `axis` has at most N non-zeros."""
     n, m = parse_pattern(pattern)
     w = tf.convert_to_tensor(weight)
-    groups = _groups_view(w, m, axis, _weight_name(weight, None))
+    groups = tf.reshape(w, _groups_shape(w.shape, m, axis, _weight_name(weight, None)))
     nonzeros = tf.reduce_sum(tf.cast(groups != 0, tf.int32), axis=1)
     return bool(tf.reduce_all(nonzeros <= n))
 

@@ -526,16 +526,22 @@ class Sparse24(keras.layers.Wrapper):
     def update_masks(self, method: str | None = None) -> None:
         """Recomputes every mask from the current variable values by `method` (None: the
         wrapper's own `method`), which becomes the wrapper's method."""
+        self.assign_masks(self.computed_masks(method), method)
+
+    def computed_masks(self, method: str | None = None) -> list[tf.Tensor]:
+        """The masks `update_masks(method)` would assign, one per pruned weight; all checked
+        (shapes, NaN/Inf) and nothing assigned."""
         method = self.method if method is None else method
-        masks = [
-            compute_mask(
-                pw.variable, pw.pattern, pw.axis, method, name=pw.variable.path
-            )
+        return [
+            compute_mask(pw.variable, pw.pattern, pw.axis, method, name=f"{self.name}/{pw.name}")
             for pw in self.pruned_weights
-        ]  # all checked before any assignment
-        for pw, mask in zip(self.pruned_weights, masks):
+        ]
+
+    def assign_masks(self, masks: list[tf.Tensor], method: str | None = None) -> None:
+        """Assigns masks from `computed_masks(method)`; `method` becomes the wrapper's."""
+        for pw, mask in zip(self.pruned_weights, masks, strict=True):
             pw.mask.assign(mask)
-        self.method = method
+        self.method = self.method if method is None else method
         self.masks_source = "update_masks()"
 
     def call(self, *args, **kwargs):
