@@ -51,7 +51,8 @@ class Sparse24Callback(keras.callbacks.Callback):
 
     Raises:
         ValueError: resuming (`initial_epoch > 0`) with a schedule, an optimizer at step 0 and
-            data of unknown size: the training step cannot be known.
+            data of unknown size: the training step cannot be known. With a schedule, a
+            method some pruned weight cannot take (in `on_train_begin`, before a step trains).
 
     Example:
         >>> model.fit(x, y, epochs=3, callbacks=[Sparse24Callback()])
