@@ -147,6 +147,9 @@ def test_bad_input_is_refused_before_anything_changes():
         tf_sparse24.recalibrate_batch_norm(model, iter([]))
     with pytest.raises(ValueError, match="positive"):
         tf_sparse24.recalibrate_batch_norm(model, np.zeros((4, 6, 6, 4)), batch_size=0)
+    forever = tf.data.Dataset.from_tensors(np.ones((8, 6, 6, 4), "float32")).repeat()
+    with pytest.raises(ValueError, match="infinite dataset .* pass steps="):
+        tf_sparse24.recalibrate_batch_norm(model, forever)
     renorm = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(renorm=True,
                                                                                   name="rn")])
     with pytest.raises(ValueError, match=r"\['rn'\] use renorm=True"):
@@ -167,6 +170,27 @@ def test_bad_input_is_refused_before_anything_changes():
     for name, stats in _statistics(model).items():
         for a, b in zip(stats, before[name]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_nothing_but_the_statistics_changes():
+    """A training-mode forward also rewrites SpectralNormalization's kernel and power-iteration
+    vector, advances a stateful GRU's states and dropout's seed: all put back."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3, 8), batch_size=8)
+    x = keras.layers.GRU(8, stateful=True, return_sequences=True)(inputs)
+    x = keras.layers.SpectralNormalization(keras.layers.Dense(8))(keras.layers.Dropout(0.5)(x))
+    model = tf_sparse24.prune(keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(x)))
+    data = np.random.default_rng(3).normal(size=(16, 3, 8)).astype("float32")
+    model(data[:8])  # states away from zero
+    gru = next(layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.GRU))
+    bn = model.get_layer("bn")
+    statistics = {id(bn.moving_mean), id(bn.moving_variance)}
+    before = [(v.path, v.numpy()) for v in model.variables + gru.states if id(v) not in statistics]
+    assert tf_sparse24.recalibrate_batch_norm(model, data, batch_size=8) == ["bn"]
+    after = [v.numpy() for v in model.variables + gru.states if id(v) not in statistics]
+    for (path, a), b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=path)
+    assert not np.array_equal(bn.moving_variance.numpy(), np.ones(8))
 
 
 class _TracedForward(keras.Model):

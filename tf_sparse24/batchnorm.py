@@ -4,7 +4,7 @@ Zeroing half of every kernel moves the activations each BatchNormalization layer
 moving mean and variance it learned on the dense model no longer fit them: a one-shot 2:4 network
 with batch norm can lose most of its accuracy before any fine-tuning (a small MNIST ResNet: 95% ->
 29%, docs/ACCURACY.md). Running some training inputs through the pruned model in training mode
-and averaging the batch statistics refits them without changing a weight (AdaBN, Li et al. 2016;
+and averaging the batch statistics refits them, all other state put back (AdaBN, Li et al. 2016;
 "batch norm re-estimation" in NNCF and AIMET). Fine-tuning refreshes them too; this is for a model
 that is not fine-tuned, or before fine-tuning starts.
 """
@@ -28,6 +28,15 @@ def _batch_norms(model: keras.Model) -> list[keras.layers.BatchNormalization]:
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 
+def _forward_state(model: keras.Model) -> list:
+    """The variables a forward can write: the model's, and stateful RNNs' states (Keras keeps
+    those untracked, outside `model.variables`)."""
+    states = [v for layer in model._flatten_layers(include_self=False, recursive=True)
+              if getattr(layer, "stateful", False) and getattr(layer, "states", None) is not None
+              for v in keras.tree.flatten(layer.states)]
+    return list(model.variables) + states
+
+
 ARRAY_STRUCTURES = (np.ndarray, tf.Tensor, list, tuple, dict)  # model inputs, as Keras reads x
 
 
@@ -47,6 +56,15 @@ def _check_input_arrays(model: keras.Model, x) -> None:
             f"recalibrate_batch_norm(): x is a {type(x).__name__} of {got} arrays, read as the "
             f"inputs of model {model.name!r}, which takes {wanted}. Pass the inputs only (no "
             "targets), or batches as a tf.data.Dataset or an iterator (iter(list_of_batches)).")
+
+
+def _check_finite_input(x, steps: int | None) -> None:
+    """Refuses a dataset known to repeat forever (`ds.repeat()`, as fed to `fit(steps_per_epoch=
+    ...)`) without `steps`: the loop over it would never end."""
+    if (steps is None and isinstance(x, tf.data.Dataset)
+            and int(x.cardinality()) == int(tf.data.INFINITE_CARDINALITY)):
+        raise ValueError("recalibrate_batch_norm(): x is an infinite dataset (it repeats "
+                         "forever); pass steps=, the number of batches to use.")
 
 
 def _input_batches(x, batch_size: int) -> Iterable:
@@ -110,7 +128,9 @@ def recalibrate_batch_norm(
     A layer that one forward calls several times (shared by two branches) averages the
     statistics of every call, as if each were a batch of its own. For that each layer's `momentum`
     is set before each of its calls, by a `call` set on the layer; both are restored afterwards,
-    even on error. The model must run eagerly. Weights are not changed; layers with
+    even on error. The model must run eagerly. Nothing else changes: every other variable the
+    forward writes (SpectralNormalization's kernel, a stateful RNN's states, dropout seeds) is
+    put back afterwards, from a copy of them held during the run; layers with
     `trainable=False` are recalibrated too. Use training inputs, after `tf_sparse24.prune` or
     `strip` (in bench/bn_recalibration.py 1,024 samples did as well as 4,000). Under a
     `tf.distribute` strategy, pass arrays or a plain (not distributed) Dataset: batches run whole,
@@ -130,7 +150,8 @@ def recalibrate_batch_norm(
 
     Raises:
         ValueError: for an unbuilt model, a bad `batch_size`/`steps`, arrays that are not one
-            per model input (`(x_train, y_train)`), or no batch in `x`; a
+            per model input (`(x_train, y_train)`), an infinite dataset without `steps`, or no
+            batch in `x`; a
             BatchNormalization layer with `renorm=True` (its statistics are coupled to renorm's).
             If a batch fails in the model, every layer's statistics are restored before the error
             propagates: nothing is half-updated.
@@ -151,8 +172,13 @@ def recalibrate_batch_norm(
         warnings.warn(f"model {model.name!r} has no BatchNormalization layer: nothing to do.",
                       stacklevel=2)
         return []
+    _check_finite_input(x, steps)
     saved = [(layer.momentum, layer.trainable, layer.moving_mean.numpy(),
               layer.moving_variance.numpy()) for layer in layers]
+    # Everything else a training-mode forward writes (SpectralNormalization's kernel and power
+    # iteration vector, a stateful RNN's states, dropout seeds) is put back afterwards.
+    statistics = {id(v) for layer in layers for v in (layer.moving_mean, layer.moving_variance)}
+    others = [(v, v.numpy()) for v in _forward_state(model) if id(v) not in statistics]
     calls = [_AveragingCall(layer) for layer in layers]
     batches = 0
     try:
@@ -182,6 +208,8 @@ def recalibrate_batch_norm(
     finally:
         for layer, (momentum, trainable, _, _) in zip(layers, saved):
             layer.momentum, layer.trainable = momentum, trainable
+        for variable, value in others:
+            variable.assign(value)
     if untouched:
         warnings.warn(f"recalibrate_batch_norm(): {untouched} were not called in training mode "
                       "by the model's forward (or only in a tf.function traced before): left as "
