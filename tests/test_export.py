@@ -1182,6 +1182,14 @@ def test_keras_tfsmlayer_reloads_exports_through_serve(mixed, tmp_path, mode):
         lambda t: t.shape, want)
     for got, ref in zip(keras.tree.flatten(served), keras.tree.flatten(want)):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    # A Sequential model (the demo's) is called with one tensor and returns one, as Keras' own
+    # export of it is.
+    sequential = tf_sparse24.prune(keras.Sequential([keras.Input((8,)), keras.layers.Dense(8),
+                                                     keras.layers.Dense(4)]))
+    export(sequential, tmp_path / "sequential" / "1", mode=mode)
+    served = keras.layers.TFSMLayer(tmp_path / "sequential" / "1")(x)
+    assert isinstance(served, tf.Tensor)
+    np.testing.assert_allclose(served, sequential(x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("sparse", [False, True])

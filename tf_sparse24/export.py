@@ -965,9 +965,11 @@ def _table_resources(model: keras.Model) -> list:
 
 
 def functional_view(model: keras.Model) -> keras.Model:
-    """A Sequential model as a Functional one over the same layers (named outputs, cloneable)."""
+    """A Sequential model as a Functional one over the same layers (named outputs, cloneable),
+    called as the Sequential model is: with one tensor, returning one."""
     if isinstance(model, keras.Sequential) and _is_functional(model):
-        return keras.Model(model.inputs, model.outputs, name=model.name)
+        (inputs,), (outputs,) = model.inputs, model.outputs
+        return keras.Model(inputs, outputs, name=model.name)
     return model
 
 
