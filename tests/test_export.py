@@ -1304,6 +1304,31 @@ def test_verify_sizes_unknown_dimensions_so_the_model_has_outputs(tmp_path):
         verify(tmp_path / "2", against=deep)
 
 
+def test_verify_compares_string_outputs_exactly(tmp_path):
+    """Class labels served as strings (StringLookup(invert=True)) match or not; a model whose
+    labels differ is refused, naming the first that does."""
+    keras.utils.set_random_seed(0)
+    features = keras.Input((8,), name="features")
+    logits = keras.layers.Dense(4, name="logits")(features)
+    classes = keras.ops.argmax(logits, axis=-1)
+
+    def labelled(vocabulary):
+        label = keras.layers.StringLookup(vocabulary=vocabulary, invert=True)(classes)
+        return keras.Model(features, {"logits": logits, "label": label})
+
+    model = tf_sparse24.prune(labelled(["cat", "dog", "cow"]))
+    export(model, tmp_path / "1")
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"]["label"] == 0.0
+    swapped = labelled(["cow", "cat", "dog"])  # the same logits: only the labels differ
+    with pytest.raises(ExportError, match=r"output 'label': \d+ of \d+ strings differ from the "
+                                          r"Keras model \(first at index"):
+        verify(tmp_path / "1", against=tf_sparse24.prune(swapped))
+    wrong_input = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4)])
+    with pytest.raises(ExportError, match=r"could not be compared: ") as error:
+        verify(tmp_path / "1", against=wrong_input)
+    assert "unknown input dimensions" not in str(error.value)  # the export has none
+
+
 def test_accelerated_runs_group_query_attention(tmp_path):
     # Grouped-query attention (4 query heads sharing 2 key/value heads, a sigmoid gate): every
     # projection, the gate's too, runs as Sparse24MatMul and the export serves what it computes.

@@ -89,6 +89,20 @@ def verify(
 UNKNOWN_SIZES = (8, 32, 96)
 
 
+def _compare_strings(name: str, got: np.ndarray, want) -> float:
+    """0.0 if a string output is served exactly as the model gives it; else ExportError."""
+    want = np.asarray(keras.ops.convert_to_numpy(want))
+    if got.shape != want.shape:
+        raise ExportError(f"output {name!r}: served shape {got.shape}, model gives {want.shape}")
+    if (wrong := np.flatnonzero(got != want)).size:
+        first = np.unravel_index(wrong[0], got.shape)
+        raise ExportError(
+            f"output {name!r}: {wrong.size} of {got.size} strings differ from the Keras model "
+            f"(first at index {tuple(map(int, first))}: served {got[first]!r}, model "
+            f"{want[first]!r})")
+    return 0.0
+
+
 def _compare(loaded, metadata, against, seed: int) -> tuple[dict[str, float], dict]:
     """Max |served - model| per output, and the input shapes they were compared on."""
     model = against
@@ -107,15 +121,18 @@ def _compare(loaded, metadata, against, seed: int) -> tuple[dict[str, float], di
                 loaded, metadata, model, size, seed)
         except Exception as e:  # TF and Keras raise many types on a bad shape
             if size == sizes[-1]:
-                raise ExportError(
-                    f"the model and export could not be compared with the unknown input "
-                    f"dimensions set to any of {list(sizes)}: {type(e).__name__}: {e}"
-                ) from e
+                tried = (f" with the unknown input dimensions set to any of {list(sizes)}"
+                         if unknown else "")
+                raise ExportError(f"the model and export could not be compared{tried}: "
+                                  f"{type(e).__name__}: {e}") from e
             continue
         if size == sizes[-1] or all(np.size(t) for t in flat):
             break
     diffs = {}
     for name, want in zip(names, flat):
+        if served[name].dtype == tf.string:  # labels (StringLookup(invert=True)): equal or not
+            diffs[name] = _compare_strings(name, served[name].numpy(), want)
+            continue
         want = np.asarray(keras.ops.convert_to_numpy(want), np.float64)
         got = np.asarray(served[name].numpy(), np.float64)
         if got.shape != want.shape:
