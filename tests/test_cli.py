@@ -152,7 +152,9 @@ def test_export_of_a_subclassed_model_takes_its_inputs_from_the_command_line(tmp
         ("x:float32", "expected NAME:DTYPE:SHAPE"),
         ("x:float32:None,8:extra", "expected NAME:DTYPE:SHAPE"),
         ("x:float32:-3,8", "sizes >= 0"),
-        ("a b:float32:None,8", "input name 'a b' .* must be an identifier"),
+        ("a b:float32:None,8", "input name 'a b' .* start with a letter"),
+        ("_x:float32:None,8", "input name '_x' .* start with a letter"),
+        ("in:float32:None,8", "input name 'in' .* not Python keywords"),
     ]:
         with pytest.raises(SystemExit) as bad:
             main(["export", path, str(tmp_path / "c" / "1"), "--input", spec])

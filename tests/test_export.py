@@ -413,7 +413,7 @@ def test_subclassed_model_called_with_a_dict_takes_a_dict_signature(tmp_path):
     served = load(tmp_path / "1").signatures["serving_default"](**x)["output_0"]
     np.testing.assert_allclose(served.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-5)
     assert verify(tmp_path / "1", against=model)["max_abs_diff"]["output_0"] < 1e-4
-    with pytest.raises(ValueError, match=r"must be identifiers .*Received: \['not valid'\]"):
+    with pytest.raises(ValueError, match=r"start with a letter .*Received: \['not valid'\]"):
         export(model, tmp_path / "2", input_signature={"not valid": tf.TensorSpec([None, 12])})
 
 
@@ -1076,14 +1076,15 @@ def test_signature_names_order_and_precision_survive_verify(tmp_path):
 
 
 def test_input_names_tensorflow_cannot_take_as_arguments_get_a_suffix(tmp_path):
-    """TensorFlow refuses signature arguments that differ only in case and binds `self` to the
-    function: such model inputs are renamed like other clashes; chosen specs are refused."""
-    names = ("x", "X", "self", "Self")  # TensorFlow takes only "self" itself
+    """TensorFlow refuses signature arguments that differ only in case, Python keywords and a
+    leading underscore, and binds `self` to the function: such model inputs are renamed like
+    other clashes; chosen specs are refused."""
+    names = ("x", "X", "self", "Self", "_y", "class")  # TensorFlow takes only "self" itself
     inputs = [keras.Input((8,), name=n) for n in names]
     scaled = [keras.layers.Dense(4, name=f"d{i}")(t) * (i + 1) for i, t in enumerate(inputs)]
     model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Add(name="out")(scaled)))
     metadata = export(model, tmp_path / "1")
-    assert metadata["signature"]["input_order"] == ["x", "X_1", "self_1", "Self"]
+    assert metadata["signature"]["input_order"] == ["x", "X_1", "self_1", "Self", "y", "class_1"]
     rng = np.random.default_rng(2)
     x = [rng.standard_normal((3, 8)).astype("float32") for _ in names]
     served = load(tmp_path / "1").signatures["serving_default"](
@@ -1091,15 +1092,14 @@ def test_input_names_tensorflow_cannot_take_as_arguments_get_a_suffix(tmp_path):
     )["out"]
     np.testing.assert_allclose(served.numpy(), model(x), rtol=1e-5, atol=1e-6)
     assert verify(tmp_path / "1", against=model)["max_abs_diff"]["out"] < 1e-5
-    for chosen in (["x", "X", "s", "t"], ["x", "self", "s", "t"]):
-        specs = [tf.TensorSpec([None, 8], tf.float32, name=n) for n in chosen]
-        with pytest.raises(ValueError, match=r"unique also ignoring case .* not 'self'"):
+    others = ["s", "t", "u", "v"]
+    for first in (["x", "X"], ["x", "self"], ["x", "in"], ["_x", "y"], ["a b", "X"]):
+        specs = [tf.TensorSpec([None, 8], tf.float32, name=n) for n in first + others]
+        with pytest.raises(ValueError, match=r"start with a letter .* not Python keywords or "
+                                             r"'self', unique also ignoring case"):
             export(model, tmp_path / "2", input_signature=specs)
-    with pytest.raises(ValueError, match=r"must be identifiers .*Received: \['a b', 'X', 's', 't'\]"):
-        export(model, tmp_path / "2", input_signature=[
-            tf.TensorSpec([None, 8], tf.float32, name=n) for n in ("a b", "X", "s", "t")])
     # A string cannot be cast to the model's float input: every served call would fail.
-    strings = [tf.TensorSpec([None, 8], tf.string, name=n) for n in ("x", "X_1", "s", "Self")]
+    strings = [tf.TensorSpec([None, 8], tf.string, name=n) for n in ["x", "X_1", *others]]
     with pytest.raises(ValueError, match=r"input 'x' is string, but model .* takes float32"):
         export(model, tmp_path / "2", input_signature=strings)
     assert not (tmp_path / "2").exists()

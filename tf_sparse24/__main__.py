@@ -16,7 +16,6 @@ import argparse
 import importlib
 import json
 import os
-import re
 import sys
 
 
@@ -70,10 +69,11 @@ def _input_spec(text: str):
             "expected NAME:DTYPE:SHAPE such as x:float32:None,16 (dimensions: sizes >= 0, or "
             f"None for any). Received: {text!r}"
         )
-    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+    from tf_sparse24.export import SIGNATURE_NAME_RULE, is_signature_name  # noqa: PLC0415
+
+    if not is_signature_name(name):
         raise argparse.ArgumentTypeError(
-            f"input name {name!r} in {text!r} must be an identifier ([A-Za-z_][A-Za-z0-9_]*)"
-        )
+            f"input name {name!r} in {text!r}: {SIGNATURE_NAME_RULE}")
     import tensorflow as tf  # noqa: PLC0415  (heavy; only when the option is used)
 
     try:

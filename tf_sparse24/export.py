@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import keyword
 import math
 import os
 import re
@@ -432,17 +433,26 @@ def _dedupe_names(items: list) -> None:
 
 
 # A signature's input names become the arguments of a Python call: TensorFlow refuses two that
-# differ only in case ("x", "X") and binds "self" to the function itself.
-INPUT_NAME_RULES = {"ignore_case": True, "reserved": ("self",)}
+# differ only in case ("x", "X") and Python keywords ("in", "class"), and binds "self" to the
+# function itself.
+INPUT_NAME_RULES = {"ignore_case": True, "reserved": ("self", *keyword.kwlist)}
+SIGNATURE_NAME_RULE = ("signature input names start with a letter ([A-Za-z][A-Za-z0-9_]*: "
+                       "TensorFlow renames '_x' to 'arg__x' and then refuses it) and are not "
+                       "Python keywords or 'self'")
+
+
+def is_signature_name(name: str) -> bool:
+    """Whether TensorFlow takes `name` as a serving signature's input (see SIGNATURE_NAME_RULE)."""
+    return bool(re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name)) and (
+        name not in INPUT_NAME_RULES["reserved"])
 
 
 def _check_signature_names(names: list[str]) -> None:
-    identifiers = all(re.fullmatch(r"[A-Za-z_]\w*", str(n)) for n in names)
-    if not identifiers or unique_names(names, **INPUT_NAME_RULES) != names:
+    valid = all(is_signature_name(str(n)) for n in names)
+    if not valid or unique_names(names, **INPUT_NAME_RULES) != names:
         raise ValueError(
-            "input_signature names must be identifiers ([A-Za-z_][A-Za-z0-9_]*), unique also "
-            "ignoring case (TensorFlow makes them the serving function's arguments), and not "
-            f"'self'. Received: {names}"
+            f"input_signature: {SIGNATURE_NAME_RULE}, unique also ignoring case (TensorFlow "
+            f"makes them the serving function's arguments). Received: {names}"
         )
 
 
@@ -508,9 +518,10 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
             f"model {model.name!r} has no symbolic inputs (a subclassed or unbuilt model): pass "
             "input_signature=[tf.TensorSpec(shape, dtype, name=...), ...]"
         ) from e
+    defaults = ["inputs"] if len(inputs) == 1 else [f"input_{i}" for i in range(len(inputs))]
+    # "_x" -> "x": TensorFlow renames a leading underscore, then finds the new name clashes.
     names = unique_names(
-        [_identifier(t.name, "inputs" if len(inputs) == 1 else f"input_{i}")
-         for i, t in enumerate(inputs)],
+        [_identifier(t.name, d).lstrip("_") or d for t, d in zip(inputs, defaults)],
         **INPUT_NAME_RULES,
     )
     return [tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=n) for t, n in zip(inputs, names)]
