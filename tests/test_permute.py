@@ -118,6 +118,17 @@ def test_search_on_keras_layouts_never_loses_and_is_deterministic():
     assert _kept_reference(dense.T, perm) > _kept_reference(dense.T, np.arange(40))
 
 
+@pytest.mark.parametrize("scale, dtype", [(1e38, "float32"), (1e300, "float64"), (1e-9, "float32")])
+def test_search_finds_the_same_order_at_any_scale(scale, dtype):
+    """Finite but huge weights overflowed float32 group sums (inf - inf gains: it never
+    returned); tiny ones fell under the gain threshold (a weaker search)."""
+    w = np.random.default_rng(0).standard_normal((16, 8))
+    perm = search_permutation(w, 0, kicks=0)
+    assert _kept_reference(w.T, perm) > _kept_reference(w.T, np.arange(16))
+    np.testing.assert_array_equal(
+        search_permutation((w * scale).astype(dtype), 0, kicks=0), perm)
+
+
 def test_search_rejects_bad_input():
     with pytest.raises(ValueError, match=r"\(10, 3\).*10 channels"):
         search_permutation(np.ones((10, 3)), axis=0)

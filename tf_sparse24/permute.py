@@ -60,7 +60,7 @@ from tf_sparse24.prune import (
 from tf_sparse24.registry import einsum_axis, einsum_parts, own_variables
 from tf_sparse24.wrapper import Sparse24
 
-_EPS = 1e-6  # gains below this (in summed |w|) are noise: stop searching
+_EPS = 1e-6  # gains below this (in summed |w| / max |w|) are noise: stop searching
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +383,11 @@ def search_permutation(
         raise ValueError(f"Weight with shape {w.shape} contains NaN/Inf; cannot search a permutation.")
     if block_channels is not None and block_channels < 8:
         raise ValueError(f"block_channels must be at least 8 (two groups). Received: {block_channels}")
-    at = np.ascontiguousarray(np.abs(channel_matrix(w, axis)).T, dtype=np.float32)
+    # Scaled to a largest |w| of 1: the order is the same, sums of huge weights cannot overflow
+    # float32 (inf - inf gains never stop the search), and _EPS is relative to the weight's scale.
+    magnitudes = np.abs(channel_matrix(w, axis))
+    peak = magnitudes.max(initial=0.0)
+    at = np.ascontiguousarray((magnitudes / peak if peak > 0 else magnitudes).T, dtype=np.float32)
     rng = np.random.default_rng(seed)
     if channels <= 4:
         return np.arange(channels)
