@@ -99,6 +99,16 @@ def test_non_finite_weight_names_the_weight(bad):
         compute_mask(w, name="dense_7/kernel")
 
 
+@pytest.mark.parametrize("shape", [[None, 4], [8, None], None])
+def test_unknown_shape_in_graph_names_the_weight(shape):
+    @tf.function(input_signature=[tf.TensorSpec(shape, tf.float32, name="w")])
+    def mask(w):
+        return compute_mask(w, "2:4", axis=0, name="kernel")
+
+    with pytest.raises(ValueError, match=r"Weight kernel has shape .*fully known shape"):
+        mask(tf.ones([8, 4]))
+
+
 def test_non_finite_in_graph_raises():
     fn = tf.function(lambda t: compute_mask(t, name="layer/kernel"))
     with pytest.raises(tf.errors.InvalidArgumentError, match="layer/kernel"):

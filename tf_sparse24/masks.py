@@ -111,7 +111,10 @@ def _weight_name(weight, name: str | None) -> str:
 def _groups_shape(shape: tuple, m: int, axis: int, label: str) -> tuple[int, int, int]:
     """The `[G, M, P]` view of a weight of `shape` in which M consecutive elements along `axis`
     form axis 1; raises ValueError naming the weight if there is none."""
-    shape = tuple(shape)
+    shape = tuple(shape) if getattr(shape, "rank", 0) is not None else None
+    if shape is None or None in shape:
+        raise ValueError(f"Weight {label} has shape {shape}: masks need a fully known shape "
+                         "(in a tf.function, give the input_signature the weight's shape).")
     rank = len(shape)
     if rank == 0 or not -rank <= axis < rank:
         raise ValueError(f"Axis {axis} is out of range for weight {label} with shape {shape}.")
