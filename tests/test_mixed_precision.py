@@ -183,6 +183,32 @@ def test_a_float32_layer_under_mixed_precision_keeps_float32_when_wrapped(make):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["portable", "accelerated"])
+def test_a_layer_that_does_not_autocast_keeps_float32_when_pruned_stripped_and_exported(
+        mode, tmp_path):
+    """Dense(autocast=False) multiplies its float32 kernel under mixed precision; Keras' config
+    leaves the flag out, so copies (prune, strip) and the export must carry it themselves."""
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype("float32")
+    with global_policy("mixed_bfloat16"):
+        inputs = keras.Input((16,), name="x")
+        head = keras.layers.Dense(8, name="head", autocast=False)
+        model = keras.Model(inputs, head(keras.layers.Dense(16, name="body")(inputs)))
+        pruned = tf_sparse24.prune(model)
+        stripped = tf_sparse24.strip(pruned)
+    wrapper = pruned.get_layer("sparse24_head")
+    (pw,) = wrapper.pruned_weights
+    hidden = np.asarray(keras.Model(pruned.input, wrapper.input)(x)).astype(np.float64)
+    want = hidden @ (pw.variable.numpy() * pw.mask.numpy()) + head.bias.numpy()  # float32 math
+    for net in (pruned, stripped):
+        got = np.asarray(net(x))
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    metadata = tf_sparse24.export(pruned, tmp_path / "1", mode)
+    assert {e["layer"]: e["dtype"] for e in metadata["sparse"]}["head"] == "float32"
+    served = tf_sparse24.load(tmp_path / "1").signatures["serving_default"](x=tf.constant(x))
+    np.testing.assert_allclose(served["head"].numpy(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("policy", sorted(COMPUTE))
 @pytest.mark.parametrize("mode", ["portable", "accelerated"])
 def test_export_stores_16_bit_compute_weights_and_serves_the_same(policy, mode, tmp_path):

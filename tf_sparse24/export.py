@@ -419,6 +419,7 @@ def _as_computed(layer: keras.layers.Layer, variable: keras.Variable, value) -> 
         variable.dtype == "float32"
         and dtype in ("float16", "bfloat16")
         and getattr(variable, "_autocast", True)
+        and getattr(owner, "autocast", True)  # Dense(autocast=False) multiplies it in float32
     ):
         value = tf.cast(value, dtype)  # as Keras' autocast does
     return value.numpy()
@@ -746,6 +747,9 @@ class _SparseCall:
         batch = tf.shape(x)[:-c]
         if c != 1:
             x = tf.reshape(x, tf.concat([batch, [k]], axis=0))
+        if not getattr(layer, "autocast", True):
+            # The layer multiplies its own (float32) kernel: Keras' matmul promotes x to it.
+            x = tf.cast(x, keras.backend.result_type(x.dtype, self.values.dtype))
         y = self.ops.sparse24_matmul(x, tf.cast(self.values, x.dtype), self.meta)
         if len(free) != 1:
             y = tf.reshape(y, tf.concat([batch, free], axis=0))
