@@ -567,6 +567,43 @@ def test_layers_inside_a_nested_subclassed_model_are_an_error_not_a_silent_skip(
     assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
 
 
+class HandWrappedBlock(keras.layers.Layer):
+    """A user's block holding its own Sparse24 next to a plain Dense."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fc = ts.Sparse24(keras.layers.Dense(8, name="fc"))
+        self.other = keras.layers.Dense(8, name="other")
+
+    def call(self, x):
+        return self.other(keras.ops.relu(self.fc(x)))
+
+
+def test_a_block_holding_its_own_wrapper_is_not_wrapped_around_it():
+    """Pruning `other` would wrap the whole block, the user's wrapper inside ours, out of reach
+    of pruned_layers(), strip() and the callback's check: refused; skipping `other` works."""
+    inp = keras.Input((8,))
+    model = keras.Model(inp, HandWrappedBlock(name="blk")(inp))
+    with pytest.raises(ValueError, match=r"layer 'blk' holds Sparse24 layers of its own "
+                                         r"\['sparse24_fc'\], and also the prunable layers "
+                                         r"\['other'\]"):
+        ts.prune(model)
+    pruned = ts.prune(model, skip="blk/other")
+    assert [w.name for w in ts.pruned_layers(pruned)] == ["sparse24_fc"]
+    (pw,) = ts.pruned_layers(pruned)[0].pruned_weights
+    np.testing.assert_array_equal(pw.mask.numpy(), reference_mask(pw.variable.numpy(), 2, 4, 0))
+
+
+def test_selectors_may_be_any_iterable_but_not_a_number():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="a"),
+                              keras.layers.Dense(8, name="top"), keras.layers.Dense(4, name="c")])
+    for chosen in (iter(["top"]), (n for n in ["top"]), filter(lambda l: l.name == "top",
+                                                               model.layers)):
+        assert names_of(ts.prune(model, layers=chosen)) == ["top"]  # all three, before
+    with pytest.raises(TypeError, match=r"layers: expected a layer name.* Received: layers=3"):
+        ts.prune(model, layers=3)
+
+
 def test_state_outside_the_weights_is_copied_adapted_preprocessing():
     # An adapted Normalization derives its mean from stored statistics (finalize_state), a
     # StringLookup keeps its vocabulary in a table, not a weight: set_weights copies neither.

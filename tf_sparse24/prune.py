@@ -145,7 +145,14 @@ def _check_selectors(model, selectors, arg: str) -> list:
             naming the names, and the layer objects, that are not in `model` (a layer of
             the caller's model passed with its copy would select nothing).
     """
-    if arg == "layers" and selectors is not None and not _selector_list(selectors):
+    if selectors is None:
+        return []
+    try:
+        chosen = _selector_list(selectors)  # once: an iterator (a generator) is used up by it
+    except TypeError:
+        raise TypeError(f"{arg}: expected a layer name, object or class, or a sequence of them. "
+                        f"Received: {arg}={selectors!r}") from None
+    if arg == "layers" and not chosen:
         raise ValueError(
             f"layers: {selectors!r} selects no layer of model {model.name!r}. Pass layers=None "
             "(the default) for every eligible layer, or name the layers to select.")
@@ -153,7 +160,7 @@ def _check_selectors(model, selectors, arg: str) -> list:
         layer for w in pruned_layers(model) for layer in [w.layer, *walk_layers(w.layer)]]
     names = {layer.name for layer in layers}
     selectors = [_at_path(model, s) or s if isinstance(s, str) and "/" in s and s not in names
-                 else s for s in _selector_list(selectors)]
+                 else s for s in chosen]
     if wrong := [s for s in selectors if not isinstance(s, (str, type, keras.layers.Layer))]:
         raise TypeError(f"{arg}: expected layer names, layer objects or layer classes, got "
                         f"{wrong!r}.")
@@ -447,6 +454,7 @@ def prune(
     pattern = "2:4" if pattern is None else pattern
     method = DEFAULT_METHOD if method is None else method
     plan = _plan(model, pattern, layers, skip, method)
+    _check_not_nesting(model, plan)
     reached = set()
 
     def clone(layer):
@@ -474,6 +482,24 @@ def prune(
             "tf_sparse24.Sparse24 in that model's __init__, or skip them (skip=[...])."
         )
     return pruned
+
+
+def _check_not_nesting(model: keras.Model, plan: dict[int, dict]) -> None:
+    """Refuses to wrap a layer of the graph that already holds a Sparse24 of its own (a user's,
+    inside a custom block): the wrapper inside a wrapper would be out of reach of strip(),
+    report() and the callback's checks."""
+    for layer in _copied_layers(model):
+        if isinstance(layer, (keras.Model, Sparse24)):
+            continue  # models are rebuilt layer by layer; a wrapper is kept as it is
+        inner = walk_layers(layer)
+        held = [sub.name for sub in inner if isinstance(sub, Sparse24)]
+        planned = [sub.name for sub in [layer, *inner] if id(sub) in plan]
+        if held and planned:
+            raise ValueError(
+                f"prune(): layer {layer.name!r} holds Sparse24 layers of its own {held}, and "
+                f"also the prunable layers {planned}: pruning them would wrap {layer.name!r} "
+                "around your wrappers. Wrap those layers in Sparse24 in the block too, or skip "
+                f"them (skip=[...], e.g. the paths '{layer.name}/<name>').")
 
 
 def _planned_weights(layer, copy, plan: dict[int, dict], reached: set[int]) -> dict[str, tuple]:
