@@ -337,10 +337,11 @@ def _copy_layer(layer, called_as: keras.layers.Layer | None = None, to_wrap: boo
 
 def _copy_autocast(layer: keras.layers.Layer, new: keras.layers.Layer) -> None:
     """`autocast=False` (a layer multiplying its float32 weights under mixed precision) on the
-    copy and its sublayers: Keras' get_config() leaves the flag out, so a copy autocasts."""
-    old_layers = list(layer._flatten_layers(include_self=True))
-    new_layers = list(new._flatten_layers(include_self=True))
-    if len(old_layers) == len(new_layers):
+    built copy and its sublayers: Keras' get_config() leaves the flag out, so a copy autocasts."""
+    new.autocast = layer.autocast
+    old_layers = list(layer._flatten_layers(include_self=False))
+    new_layers = list(new._flatten_layers(include_self=False))
+    if [type(a) for a in old_layers] == [type(b) for b in new_layers]:
         for a, b in zip(old_layers, new_layers):
             b.autocast = a.autocast
 
@@ -356,8 +357,6 @@ def _copy_in_scope(layer, called_as: keras.layers.Layer | None, to_wrap: bool):
             "layers a get_config() returning their constructor arguments, and register the "
             "custom classes they hold with @keras.saving.register_keras_serializable()."
         ) from err
-    if isinstance(layer, keras.layers.Layer):
-        _copy_autocast(layer, new)
     if isinstance(layer, keras.layers.Layer) and layer.built:
         if layer.weights and not new.built:  # some layers build in __init__ (keras_hub decoders)
             with warnings.catch_warnings():  # a layer without build(): the first call builds it
@@ -393,6 +392,8 @@ def _copy_in_scope(layer, called_as: keras.layers.Layer | None, to_wrap: bool):
                    f"the copy made from its get_config() does not take its variables ({err})")
             raise TypeError(
                 f"Cannot copy layer {layer.name!r} ({type(layer).__name__}): {why}.") from err
+    if isinstance(layer, keras.layers.Layer):
+        _copy_autocast(layer, new)
     return new
 
 

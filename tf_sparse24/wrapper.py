@@ -282,6 +282,8 @@ class Sparse24(keras.layers.Wrapper):
         # The layer's own policy, not the global one: a float32 head under mixed precision must
         # not get its inputs cast to 16 bits by the wrapper first.
         kwargs.setdefault("dtype", layer.dtype_policy)
+        # ...nor to a layer that multiplies its float32 weights (Dense(autocast=False)).
+        kwargs.setdefault("autocast", layer.autocast)
         # A frozen layer's wrapper says so (model.layers, summaries); setting `trainable` on the
         # wrapper sets it on the layer, as Keras does for any layer holding others.
         kwargs.setdefault("trainable", layer.trainable)
@@ -526,9 +528,9 @@ class Sparse24(keras.layers.Wrapper):
     def update_masks(self, method: str | None = None) -> None:
         """Recomputes every mask from the current variable values by `method` (None: the
         wrapper's own `method`), which becomes the wrapper's method."""
-        self.assign_masks(self.computed_masks(method), method)
+        self._assign_masks(self._computed_masks(method), method)
 
-    def computed_masks(self, method: str | None = None) -> list[tf.Tensor]:
+    def _computed_masks(self, method: str | None = None) -> list[tf.Tensor]:
         """The masks `update_masks(method)` would assign, one per pruned weight; all checked
         (shapes, NaN/Inf) and nothing assigned."""
         method = self.method if method is None else method
@@ -537,8 +539,8 @@ class Sparse24(keras.layers.Wrapper):
             for pw in self.pruned_weights
         ]
 
-    def assign_masks(self, masks: list[tf.Tensor], method: str | None = None) -> None:
-        """Assigns masks from `computed_masks(method)`; `method` becomes the wrapper's."""
+    def _assign_masks(self, masks: list[tf.Tensor], method: str | None = None) -> None:
+        """Assigns masks from `_computed_masks(method)`; `method` becomes the wrapper's."""
         for pw, mask in zip(self.pruned_weights, masks, strict=True):
             pw.mask.assign(mask)
         self.method = self.method if method is None else method
