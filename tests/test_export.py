@@ -1079,12 +1079,14 @@ def test_input_names_tensorflow_cannot_take_as_arguments_get_a_suffix(tmp_path):
     """TensorFlow refuses signature arguments that differ only in case, Python keywords and a
     leading underscore, and binds `self` to the function: such model inputs are renamed like
     other clashes; chosen specs are refused."""
-    names = ("x", "X", "self", "Self", "_y", "class")  # TensorFlow takes only "self" itself
+    names = ("x", "X", "self", "Self", "_y", "class", "y")  # TensorFlow takes only "self" itself
     inputs = [keras.Input((8,), name=n) for n in names]
     scaled = [keras.layers.Dense(4, name=f"d{i}")(t) * (i + 1) for i, t in enumerate(inputs)]
     model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Add(name="out")(scaled)))
     metadata = export(model, tmp_path / "1")
-    assert metadata["signature"]["input_order"] == ["x", "X_1", "self_1", "Self", "y", "class_1"]
+    # "_y" is stripped to "y", which the input named "y" keeps.
+    assert metadata["signature"]["input_order"] == [
+        "x", "X_1", "self_1", "Self", "y_1", "class_1", "y"]
     rng = np.random.default_rng(2)
     x = [rng.standard_normal((3, 8)).astype("float32") for _ in names]
     served = load(tmp_path / "1").signatures["serving_default"](
@@ -1092,7 +1094,7 @@ def test_input_names_tensorflow_cannot_take_as_arguments_get_a_suffix(tmp_path):
     )["out"]
     np.testing.assert_allclose(served.numpy(), model(x), rtol=1e-5, atol=1e-6)
     assert verify(tmp_path / "1", against=model)["max_abs_diff"]["out"] < 1e-5
-    others = ["s", "t", "u", "v"]
+    others = ["s", "t", "u", "v", "w"]
     for first in (["x", "X"], ["x", "self"], ["x", "in"], ["_x", "y"], ["a b", "X"]):
         specs = [tf.TensorSpec([None, 8], tf.float32, name=n) for n in first + others]
         with pytest.raises(ValueError, match=r"start with a letter .* not Python keywords or "
@@ -1147,6 +1149,17 @@ def test_nested_outputs_under_a_dict_get_one_key_per_leaf_and_repeated_names_a_s
     assert sorted(export(twice, tmp_path / "2")["signature"]["outputs"]) == ["first", "first_1"]
 
 
+class TwoHeads(keras.layers.Layer):
+    """A last layer returning two tensors (a Sequential model with two outputs)."""
+
+    def build(self, shape):
+        self.head = keras.layers.Dense(4)
+        self.head.build(shape)
+
+    def call(self, x):
+        return self.head(x), x * 2.0
+
+
 @pytest.mark.parametrize("mode", ["portable", "accelerated"])
 def test_keras_tfsmlayer_reloads_exports_through_serve(mixed, tmp_path, mode):
     """`keras.layers.TFSMLayer`, Keras 3's way to reuse a SavedModel, calls the `serve` endpoint
@@ -1190,6 +1203,15 @@ def test_keras_tfsmlayer_reloads_exports_through_serve(mixed, tmp_path, mode):
     served = keras.layers.TFSMLayer(tmp_path / "sequential" / "1")(x)
     assert isinstance(served, tf.Tensor)
     np.testing.assert_allclose(served, sequential(x), rtol=1e-5, atol=1e-6)
+    # ...and one whose last layer returns two tensors returns both.
+    two = tf_sparse24.prune(keras.Sequential([keras.Input((8,)), keras.layers.Dense(8),
+                                              TwoHeads()]))
+    export(two, tmp_path / "two" / "1", mode=mode)
+    served = keras.layers.TFSMLayer(tmp_path / "two" / "1")(x)
+    for got, want in zip(served, two(x), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert set(verify(tmp_path / "two" / "1", against=two)["max_abs_diff"]) == {
+        "output_0", "output_1"}
 
 
 @pytest.mark.parametrize("sparse", [False, True])

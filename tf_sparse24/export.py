@@ -520,11 +520,12 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
             "input_signature=[tf.TensorSpec(shape, dtype, name=...), ...]"
         ) from e
     defaults = ["inputs"] if len(inputs) == 1 else [f"input_{i}" for i in range(len(inputs))]
-    # "_x" -> "x": TensorFlow renames a leading underscore, then finds the new name clashes.
-    names = unique_names(
-        [_identifier(t.name, d).lstrip("_") or d for t, d in zip(inputs, defaults)],
-        **INPUT_NAME_RULES,
-    )
+    own = [_identifier(t.name, d) for t, d in zip(inputs, defaults)]
+    # "_x" -> "x": TensorFlow renames a leading underscore, then finds the new name clashes. An
+    # input named "x" itself keeps "x" (stripped names are made unique last).
+    order = sorted(range(len(own)), key=lambda i: own[i].startswith("_"))
+    unique = unique_names([own[i].lstrip("_") or defaults[i] for i in order], **INPUT_NAME_RULES)
+    names = [name for _, name in sorted(zip(order, unique))]
     return [tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=n) for t, n in zip(inputs, names)]
 
 
@@ -983,8 +984,9 @@ def functional_view(model: keras.Model) -> keras.Model:
     """A Sequential model as a Functional one over the same layers (named outputs, cloneable),
     called as the Sequential model is: with one tensor, returning one."""
     if isinstance(model, keras.Sequential) and _is_functional(model):
-        (inputs,), (outputs,) = model.inputs, model.outputs
-        return keras.Model(inputs, outputs, name=model.name)
+        inputs, outputs = model.inputs, model.outputs
+        return keras.Model(inputs[0] if len(inputs) == 1 else inputs,
+                           outputs[0] if len(outputs) == 1 else outputs, name=model.name)
     return model
 
 
