@@ -413,6 +413,32 @@ def test_masks_due_inside_the_last_execution_are_in_the_epoch_end_checkpoint():
             assert ts.is_nm_sparse(layer.effective_weight(pw), "2:4", pw.axis)
 
 
+class SaveAtStep(keras.callbacks.Callback):
+    """A batch-frequency checkpoint listed before Sparse24Callback: saves in its own batch end."""
+
+    def __init__(self, step, path):
+        super().__init__()
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations) == self.step:
+            self.model.save(self.path)
+
+
+def test_a_run_resumed_past_start_step_with_masks_never_computed_computes_them(tmp_path):
+    """The checkpoint at step 8 holds the warm-up's masks of ones (start_step 6 fell inside the
+    execution it ended); resuming from it computes them at once, from the same weights."""
+    model, path = pruned_mlp(), str(tmp_path / "at_8.keras")
+    fit_in_executions_of_4(model, [SaveAtStep(8, path), ts.Sparse24Callback(start_step=6)])
+    resumed = keras.saving.load_model(path)
+    assert all(m.min() == 1.0 for m in masks(resumed))
+    resumed.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                callbacks=[ts.Sparse24Callback(start_step=6)])  # raised: not 2:4 after epoch 0
+    assert [m.mean() for m in masks(resumed)] == [0.5] * 3
+    for got, want in zip(masks(resumed), masks(model)):
+        np.testing.assert_array_equal(got, want)
+
+
 class StopAfterFirstEpoch(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         raise RuntimeError("preempted")

@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparse24.layer_calls import calls_replaced
+from tf_sparse24.wrapper import Sparse24
 
 
 def _batch_norms(model: keras.Model) -> list[keras.layers.BatchNormalization]:
@@ -29,12 +30,15 @@ def _batch_norms(model: keras.Model) -> list[keras.layers.BatchNormalization]:
 
 
 def _forward_state(model: keras.Model) -> list:
-    """The variables a forward can write: the model's, and stateful RNNs' states (Keras keeps
-    those untracked, outside `model.variables`)."""
-    states = [v for layer in model._flatten_layers(include_self=False, recursive=True)
+    """The variables a forward can write: the model's (less Sparse24 masks, which no forward
+    writes), and stateful RNNs' states (Keras keeps those untracked, outside `model.variables`)."""
+    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    masks = {id(pw.mask) for layer in layers if isinstance(layer, Sparse24)
+             for pw in layer.pruned_weights}
+    states = [v for layer in layers
               if getattr(layer, "stateful", False) and getattr(layer, "states", None) is not None
               for v in keras.tree.flatten(layer.states)]
-    return list(model.variables) + states
+    return [v for v in model.variables if id(v) not in masks] + states
 
 
 ARRAY_STRUCTURES = (np.ndarray, tf.Tensor, list, tuple, dict)  # model inputs, as Keras reads x
@@ -130,7 +134,8 @@ def recalibrate_batch_norm(
     is set before each of its calls, by a `call` set on the layer; both are restored afterwards,
     even on error. The model must run eagerly. Nothing else changes: every other variable the
     forward writes (SpectralNormalization's kernel, a stateful RNN's states, dropout seeds) is
-    put back afterwards, from a copy of them held during the run; layers with
+    put back afterwards, from a copy of them held during the run (host memory: about the
+    model's weights once more); layers with
     `trainable=False` are recalibrated too. Use training inputs, after `tf_sparse24.prune` or
     `strip` (in bench/bn_recalibration.py 1,024 samples did as well as 4,000). Under a
     `tf.distribute` strategy, pass arrays or a plain (not distributed) Dataset: batches run whole,
@@ -150,7 +155,8 @@ def recalibrate_batch_norm(
 
     Raises:
         ValueError: for an unbuilt model, a bad `batch_size`/`steps`, arrays that are not one
-            per model input (`(x_train, y_train)`), an infinite dataset without `steps`, or no
+            per model input (`(x_train, y_train)`), a dataset known to be infinite
+            (`ds.repeat()`) without `steps`, or no
             batch in `x`; a
             BatchNormalization layer with `renorm=True` (its statistics are coupled to renorm's).
             If a batch fails in the model, every layer's statistics are restored before the error

@@ -26,7 +26,8 @@ class Sparse24Callback(keras.callbacks.Callback):
     It is read at each batch callback; with `steps_per_execution > 1` (one callback per
     execution) a computation due inside an execution runs at the end of that execution, at most
     `steps_per_execution - 1` steps late (masks stay as they were until then), before the
-    epoch-end callbacks see the model (checkpoints and backups hold the new masks).
+    epoch-end callbacks see the model (epoch-end checkpoints and backups hold the new masks;
+    list a batch-frequency one, `save_freq=<int>`, after this callback).
 
     Order in `callbacks=[...]`: after EarlyStopping / ModelCheckpoint, before CSVLogger and
     TensorBoard. Callbacks listed after this one see its logs; at the end of `fit` it warns if a
@@ -139,6 +140,13 @@ class Sparse24Callback(keras.callbacks.Callback):
             self._next = self._due_from(step)
             if self.start_step is not None and step < self.start_step:
                 self._reset_masks(step)
+            elif (self.start_step is not None and step > self.start_step and self.model.built
+                  and all(np.all(pw.mask.numpy()) for layer in self._layers
+                          for pw in layer.pruned_weights)):
+                # Past start_step with masks never computed: saved by a batch-frequency checkpoint
+                # that ran before this callback at the batch they were due. Computed now, from
+                # the weights they would have been computed from.
+                self._compute_masks(step)
 
     def _reset_masks(self, step: int) -> None:
         """Masks of ones for the dense warm-up; says so if that discards masks other than those
@@ -188,9 +196,9 @@ class Sparse24Callback(keras.callbacks.Callback):
     def _compute_masks(self, step: int) -> None:
         """Every layer's new masks, all computed before any is assigned: a layer that fails
         (NaN weights) leaves every mask as it was."""
-        masks = [layer.computed_masks(self.method) for layer in self._layers]
+        masks = [layer._computed_masks(self.method) for layer in self._layers]
         for layer, layer_masks in zip(self._layers, masks):
-            layer.assign_masks(layer_masks, self.method)
+            layer._assign_masks(layer_masks, self.method)
         self._next = self._due_from(step + 1)
 
     def on_train_end(self, logs=None):
