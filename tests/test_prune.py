@@ -604,6 +604,15 @@ def test_selectors_may_be_any_iterable_but_not_a_number():
         ts.prune(model, layers=3)
 
 
+def test_a_prune_that_prunes_nothing_says_so():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Embedding(10, 8, name="embedding"),
+                              keras.layers.Dense(4, name="d")])
+    with pytest.warns(UserWarning, match=r"no layer of model .* was pruned: .*report\(model\) says why"):
+        ts.prune(model, layers=["embedding"])
+    with pytest.warns(UserWarning, match=r"no layer .* can prune '8:16'"):
+        ts.prune(model, "8:16")
+
+
 def test_state_outside_the_weights_is_copied_adapted_preprocessing():
     # An adapted Normalization derives its mean from stored statistics (finalize_state), a
     # StringLookup keeps its vocabulary in a table, not a weight: set_weights copies neither.

@@ -482,6 +482,11 @@ def prune(
             "subclassed model, which cannot be rewired from outside. Wrap them in "
             "tf_sparse24.Sparse24 in that model's __init__, or skip them (skip=[...])."
         )
+    if not pruned_layers(pruned):
+        warnings.warn(
+            f"prune(): no layer of model {model.name!r} was pruned: none of those selected has "
+            f"a weight it can prune {pattern!r} (tf_sparse24.report(model) says why for each "
+            "layer).", stacklevel=2)
     return pruned
 
 
