@@ -99,6 +99,39 @@ class _MaskedConstraint:
         return self.constraint(w * mask) * mask + w * (1 - mask)
 
 
+class _PatternState(tf.train.experimental.PythonState):
+    """A wrapper's pattern in `tf.train.Checkpoint`s, checked when one is restored.
+
+    Keras' files load masks through `load_own_variables`, which checks them; a checkpoint assigns
+    the mask variables directly, so a 2:4 checkpoint restored into a 1:4 model would run with 2:4
+    masks under the 1:4 name. TensorFlow restores Python state before the variables of the same
+    restore, so the refusal comes before any of them changes. (A model restored before it is built
+    refuses at the call that builds it.)
+    """
+
+    def __init__(self, wrapper: "Sparse24"):
+        self.wrapper = wrapper
+
+    def serialize(self) -> str:
+        return self.wrapper.pattern
+
+    def deserialize(self, string_value) -> None:
+        saved = string_value.decode() if isinstance(string_value, bytes) else str(string_value)
+        if saved != self.wrapper.pattern:
+            raise ValueError(
+                f"Sparse24 {self.wrapper.name!r}: the checkpoint being restored was written from "
+                f"a model pruned {saved}, but this layer is {self.wrapper.pattern}. Restore it "
+                f"into a model pruned with pattern={saved!r}. Its variables were left as they "
+                "were."
+            )
+
+    def __repr__(self) -> str:  # TensorFlow's unmatched-object assertions list objects this way
+        return (
+            f"<pattern {self.wrapper.pattern} of Sparse24 {self.wrapper.name!r} (checkpoints "
+            "written before 2026-12-03 lack it: restore those with .expect_partial())>"
+        )
+
+
 @contextlib.contextmanager
 def _without_autocast():
     """No autocast scope: variables read, and report their `dtype`, as stored. Keras'
@@ -290,6 +323,7 @@ class Sparse24(keras.layers.Wrapper):
         super().__init__(layer, **kwargs)
         self.pattern = pattern
         self.method = method
+        self._pattern_state = _PatternState(self)  # tracked: checked when a checkpoint restores
         self.supports_masking = (
             layer.supports_masking
         )  # Keras masks pass through like the layer's
