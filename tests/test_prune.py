@@ -251,9 +251,48 @@ def test_subclassed_selectors_reach_the_wrapped_layers():
 
     inner = model.head.layer
     assert densities(ts.prune(model, layers=keras.layers.Dense)) == [0.5, 0.5]
-    assert densities(ts.prune(model, skip=keras.layers.Dense)) == [1.0, 1.0]
+    with pytest.warns(UserWarning, match="no layer of model .* was pruned"):
+        assert densities(ts.prune(model, skip=keras.layers.Dense)) == [1.0, 1.0]
     assert densities(ts.prune(model, skip=inner)) == [0.5, 1.0]
     assert densities(ts.prune(model, layers=[inner.name])) == [1.0, 0.5]
+
+
+def test_selecting_or_skipping_a_block_covers_the_wrappers_it_holds():
+    """USAGE: selecting or skipping a layer covers the layers inside it, also a subclassed
+    block's own wrappers (skip="block" used to compute their masks all the same, and
+    layers="block" to leave them dense)."""
+    inp = keras.Input((16,))
+    block = TwoLayer(units=16, name="block")
+    model = keras.Model(inp, keras.layers.Dense(4, name="out")(block(inp)))
+    want = {w: reference_mask(w.layer.kernel.numpy(), 2, 4, 0) for w in (block.hidden, block.head)}
+
+    def masks(pruned):  # the block's two wrappers (copies: fresh names), then "out" if wrapped
+        return [w.pruned_weights[0].mask.numpy() for w in ts.pruned_layers(pruned)]
+
+    hidden, head, out = masks(ts.prune(model, skip="block"))
+    assert hidden.min() == 1.0 and head.min() == 1.0  # left as they were: never computed
+    np.testing.assert_array_equal(
+        out, reference_mask(model.get_layer("out").kernel.numpy(), 2, 4, 0))
+    hidden, head = masks(ts.prune(model, layers="block"))  # "out" is not wrapped
+    np.testing.assert_array_equal(hidden, want[block.hidden])
+    np.testing.assert_array_equal(head, want[block.head])
+
+
+def test_a_prune_whose_copy_would_train_dense_says_so():
+    """A model whose own wrappers are all skipped comes back with masks of ones, as dense as a
+    model without wrappers: prune() warns, as it does when it wraps nothing."""
+    model = TwoLayer()
+    model(X[:, 0])
+    with pytest.warns(UserWarning, match=r"no layer of model 'two_layer.*' was pruned: .*report"):
+        ts.prune(model, skip=keras.layers.Dense)
+    inp = keras.Input((16,))
+    functional = keras.Model(inp, keras.layers.Dense(4, name="out")(TwoLayer(16, name="b")(inp)))
+    with pytest.warns(UserWarning, match=r"no layer of model .* was pruned: .* can prune '2:4'"):
+        ts.prune(functional, skip=["b", "out"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        head_dense = ts.prune(model, skip=model.head)
+        ts.prune(head_dense, skip=keras.layers.Dense)  # the hidden layer keeps its masks
 
 
 def test_wrappers_inside_a_subclassed_block_of_a_functional_model_get_masks():

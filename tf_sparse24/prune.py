@@ -447,7 +447,9 @@ def prune(
     layers = _check_selectors(model, layers, "layers")
     skip = _check_selectors(model, skip, "skip")
     if not (isinstance(model, keras.Sequential) or _is_functional(model)):
-        return _prune_subclassed(model, pattern, layers, skip, method)
+        pruned = _prune_subclassed(model, pattern, layers, skip, method)
+        _warn_if_nothing_pruned(model, pruned, pattern)
+        return pruned
     _check_untied(model, "prune")
     # Wrappers the model already has (a user's, also inside a subclassed block) whose masks are
     # still ones get theirs too; computed masks are kept.
@@ -482,12 +484,20 @@ def prune(
             "subclassed model, which cannot be rewired from outside. Wrap them in "
             "tf_sparse24.Sparse24 in that model's __init__, or skip them (skip=[...])."
         )
-    if not pruned_layers(pruned):
-        warnings.warn(
-            f"prune(): no layer of model {model.name!r} was pruned: none of those selected has "
-            f"a weight it can prune {pattern!r} (tf_sparse24.report(model) says why for each "
-            "layer).", stacklevel=2)
+    _warn_if_nothing_pruned(model, pruned, pattern)
     return pruned
+
+
+def _warn_if_nothing_pruned(model: keras.Model, pruned: keras.Model, pattern: str | None) -> None:
+    """Warns when no wrapper of the copy `pruned` has N:M effective weights: it would train dense
+    (nothing selected can be pruned, or every wrapper of the model's own was skipped)."""
+    if any(not not_nm_weights([wrapper]) for wrapper in pruned_layers(pruned)):
+        return
+    what = f" {pattern!r}" if pattern else ""
+    warnings.warn(
+        f"prune(): no layer of model {model.name!r} was pruned: none of those selected has a "
+        f"weight it can prune{what} (tf_sparse24.report(model) says why for each layer).",
+        stacklevel=3)
 
 
 def _check_not_nesting(model: keras.Model, plan: dict[int, dict]) -> None:
@@ -551,13 +561,15 @@ def _prune_subclassed(model, pattern: str | None, layers, skip, method: str | No
 
 def _unset_masks(model, pattern: str | None, layers, skip, method: str | None):
     """`{id(wrapper): (method, masks)}`: masks for the model's own `Sparse24` layers that the
-    selectors pick (by the wrapper, the layer it wraps or a layer inside that) and whose masks are
-    still all ones (never computed; computed ones are kept), all computed before any is
-    assigned."""
+    selectors pick (by the wrapper, the layer it wraps, a layer inside that, or a layer that
+    holds the wrapper: a block) and whose masks are still all ones (never computed; computed
+    ones are kept), all computed before any is assigned."""
+    everything = walk_layers(model)
 
     def picked(wrapper, selectors) -> bool:
         inside = [wrapper, wrapper.layer, *walk_layers(wrapper.layer)]
-        return any(_matches(s, selectors) for s in inside)
+        return (any(_matches(s, selectors) for s in inside)
+                or id(wrapper) in _covered(everything, selectors))
 
     selected = [
         w for w in pruned_layers(model)
