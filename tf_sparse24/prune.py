@@ -565,15 +565,15 @@ def _unset_masks(model, pattern: str | None, layers, skip, method: str | None):
     holds the wrapper: a block) and whose masks are still all ones (never computed; computed
     ones are kept), all computed before any is assigned."""
     everything = walk_layers(model)
+    in_selected = {"layers": _covered(everything, layers), "skip": _covered(everything, skip)}
 
-    def picked(wrapper, selectors) -> bool:
+    def picked(wrapper, selectors, which: str) -> bool:
         inside = [wrapper, wrapper.layer, *walk_layers(wrapper.layer)]
-        return (any(_matches(s, selectors) for s in inside)
-                or id(wrapper) in _covered(everything, selectors))
+        return any(_matches(s, selectors) for s in inside) or id(wrapper) in in_selected[which]
 
     selected = [
         w for w in pruned_layers(model)
-        if (not layers or picked(w, layers)) and not picked(w, skip)
+        if (not layers or picked(w, layers, "layers")) and not picked(w, skip, "skip")
     ]  # fmt: skip
     # Checked on every selected wrapper, also those whose masks are kept as computed: their
     # pattern is what the copy gets, so another one asked for here would be silently ignored.
