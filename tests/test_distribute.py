@@ -52,10 +52,17 @@ def assert_replica_matches(key: str, mask: np.ndarray, effective: np.ndarray, re
 
 
 @pytest.mark.slow
-def test_mirrored_strategy_two_logical_cpus(tmp_path):
+@pytest.mark.parametrize("where", ["prune_inside", "prune_outside"])
+def test_mirrored_strategy_two_logical_cpus(tmp_path, where):
+    """`prune_outside`: a model made in the scope and pruned outside it: the pruned copy (and its
+    strip()) is made under the model's strategy, as Keras ties a model to the one it was made
+    in (the copy had single-device variables: fit failed, or trained on one device)."""
     out = tmp_path / "mirrored.npz"
-    procs.run("mirrored_worker.py", out, EPOCHS, tmp=tmp_path, timeout=300).check()
+    procs.run("mirrored_worker.py", out, EPOCHS, where, tmp=tmp_path, timeout=300).check()
     got = np.load(out)
+    assert got["strategy_kept"], f"{where}: the pruned model is not tied to the strategy"
+    assert set(got["copies"]) == {2}, f"{where}: per-device copies of the weights {got['copies']}"
+    assert set(got["strip_copies"]) == {2}, f"{where}: strip() copies {got['strip_copies']}"
     ref, ref_loss = single_device_reference(EPOCHS)
     assert ref, "prune() pruned nothing in the tiny model"
     for key, entry in ref.items():

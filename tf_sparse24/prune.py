@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tf_sparse24.masks import (
     DEFAULT_METHOD,
@@ -644,8 +645,19 @@ def _is_functional(model) -> bool:
 
 
 def _copy_model(model: keras.Model) -> keras.Model:
-    with _remat_scope_of(model):
+    with _strategy_scope_of(model), _remat_scope_of(model):
         return _copy_model_in_scope(model)
+
+
+def _strategy_scope_of(model) -> contextlib.AbstractContextManager:
+    """The scope of the `tf.distribute` strategy `model` was made under, when no strategy's scope
+    is open: Keras ties a model to the strategy in scope when it is made, so a copy made outside
+    it (`prune(model)` after `with strategy.scope(): model = ...`) would get single-device
+    variables and silently train on one device. Inside a strategy's scope, that one is used."""
+    own = getattr(model, "distribute_strategy", None)
+    if own is None or tf.distribute.has_strategy() or own is tf.distribute.get_strategy():
+        return contextlib.nullcontext()
+    return own.scope()
 
 
 def _copy_model_in_scope(model: keras.Model) -> keras.Model:
@@ -723,14 +735,14 @@ def strip(model: keras.Model) -> keras.Model:
 
 def clone_graph(model: keras.Model, clone: Callable, caller: str) -> keras.Model:
     """`keras.models.clone_model(model, clone_function=clone, recursive=True)` under the
-    RematScope `model` was made under (its nested models are made in it too), warning when the
-    copy loses the model's own class.
+    RematScope and the `tf.distribute` strategy `model` was made under (its nested models are made
+    in them too), warning when the copy loses the model's own class.
 
     Keras makes a Functional subclass again only if its constructor takes `(inputs, outputs)`;
     others (keras_hub backbones and task models) come back as plain Functional models, without
     their methods (`generate()`, `preprocessor`), silently.
     """
-    with _remat_scope_of(model):
+    with _strategy_scope_of(model), _remat_scope_of(model):
         copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
     if type(copy) is not type(model):
         cls = type(model).__name__
