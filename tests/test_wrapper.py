@@ -570,6 +570,43 @@ def test_checkpoint_from_another_pattern_restored_before_build_fails_at_the_buil
         unbuilt(SEQ)
 
 
+def mlp(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
+                             keras.layers.Dense(4)])
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_checkpoint_of_the_model_before_prune_is_refused_before_anything_is_restored(
+    tmp_path, with_optimizer
+):
+    """A checkpoint of the unpruned model holds each layer where the pruned one has a wrapper:
+    it restored nothing into the wrappers (a warning at exit), and the run went on from the
+    weights and masks prune() saw. The recipe (restore, then prune) gives the checkpoint's
+    weights their numpy magnitude masks."""
+    dense = mlp(0)
+    path = tf.train.Checkpoint(model=dense).write(str(tmp_path / "dense"))
+    model = tf_sparse24.prune(mlp(1))
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")  # optimizer not built yet
+    parts = {"model": model, "optimizer": model.optimizer} if with_optimizer else {"model": model}
+    before = [w.numpy().copy() for w in model.weights]
+    with pytest.raises(ValueError, match="holds the unwrapped layer .* before prune()"):
+        tf.train.Checkpoint(**parts).read(path)
+    for w, value in zip(model.weights, before):
+        np.testing.assert_array_equal(w.numpy(), value, err_msg=w.path)
+
+    unbuilt = keras.Sequential([Sparse24(keras.layers.Dense(8)), Sparse24(keras.layers.Dense(4))])
+    tf.train.Checkpoint(model=unbuilt).read(path)  # deferred: refused when the layers exist
+    with pytest.raises(ValueError, match="holds the unwrapped layer"):
+        unbuilt(np.ones((1, 8), "float32"))
+
+    again = mlp(2)
+    tf.train.Checkpoint(model=again).read(path).assert_consumed()
+    for w, layer in zip(tf_sparse24.pruned_layers(tf_sparse24.prune(again)), dense.layers):
+        np.testing.assert_array_equal(
+            w.pruned_weights[0].mask.numpy(), reference_mask(layer.kernel.numpy(), 2, 4, 0))
+
+
 def test_containers_written_by_hand_find_the_weights_inside():
     """Sparse24(Bidirectional(LSTM)) and Sparse24(TimeDistributed(Dense)) without `weights`."""
     bi = Sparse24(keras.layers.Bidirectional(keras.layers.LSTM(8, name="lstm")))

@@ -417,11 +417,27 @@ class Sparse24(keras.layers.Wrapper):
 
     def _lookup_dependency(self, name, cached_dependencies=None):
         """Also finds a mask under the path-derived name that checkpoints written before the
-        masks were tracked by position use."""
+        masks were tracked by position use; refuses a checkpoint that holds the wrapped layer
+        itself at this place (written before prune()), which would restore nothing here.
+
+        TensorFlow looks up every child of a checkpoint's object before it assigns any variable
+        of the restore (passing `cached_dependencies`; assignments to attributes pass none), so
+        the refusal leaves everything as it was. Children that another path of the checkpoint
+        reached first (a built optimizer's variable list) are not looked up here.
+        """
         found = super()._lookup_dependency(name, cached_dependencies)
         if found is None:
             masks = [pw.mask for pw in getattr(self, "pruned_weights", [])]
             found = next((mask for mask in masks if mask.name == name), None)
+        if (found is None and cached_dependencies is not None
+                and name in self.layer._trackable_children()):
+            raise ValueError(
+                f"Sparse24 {self.name!r}: the checkpoint being restored holds the unwrapped layer "
+                f"{self.layer.name!r} ({type(self.layer).__name__}: its {name!r}) where this "
+                "model has the wrapper, so it would restore nothing here: it was written from "
+                "the model before prune(). Restore it into that model, then prune it. Nothing "
+                "was restored."
+            )
         return found
 
     def load_own_variables(self, store):
