@@ -201,6 +201,59 @@ def test_import_registers_a_subclassed_models_class_in_a_fresh_process(tmp_path,
     assert "exported 1 compressed weights" in done.stdout
 
 
+BLOCK_MODULE = '''
+import keras
+
+
+@keras.saving.register_keras_serializable(package="cli_block")
+class CliBlock(keras.layers.Layer):
+    """keras.io's TransformerBlock pattern: a sublayer made in __init__ without a dtype."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(8)
+
+    def call(self, x):
+        return x + self.inner(x)
+'''
+
+
+def test_import_can_set_the_policy_a_block_layer_was_saved_under(tmp_path, monkeypatch):
+    """docs/EXPORT.md: such a block saved under mixed_bfloat16 loads (Keras) only under that global
+    policy; an --import module that sets it lets the CLI export it, serving the model's outputs."""
+    (tmp_path / "cli_block_module.py").write_text(BLOCK_MODULE)
+    (tmp_path / "bf16_policy.py").write_text(
+        'import keras\nkeras.mixed_precision.set_global_policy("mixed_bfloat16")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from cli_block_module import CliBlock  # noqa: PLC0415  (written just above)
+
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,), name="features")
+        outputs = keras.layers.Dense(4, dtype="float32", name="scores")(CliBlock()(inputs))
+        model = tf_sparse24.prune(keras.Model(inputs, outputs))
+        model.save(str(tmp_path / "block.keras"))
+        expected = np.asarray(model(x), np.float64)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    command = [sys.executable, "-m", "tf_sparse24", "export", "block.keras", "out/1",
+               "--import", "cli_block_module"]
+
+    def run(*extra):
+        return subprocess.run([*command, *extra], cwd=tmp_path, env=ENV, capture_output=True,
+                              text=True, timeout=400, check=False)
+
+    without = run()
+    assert without.returncode == 1 and "does not match type bfloat16" in without.stderr
+    done = run("--import", "bf16_policy")
+    assert done.returncode == 0, done.stderr[-2000:]
+    served = tf.saved_model.load(str(tmp_path / "out" / "1")).signatures["serving_default"]
+    got = served(features=tf.constant(x))["scores"].numpy().astype(np.float64)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-2 * max(1.0, np.abs(expected).max()))
+
+
 @keras.saving.register_keras_serializable(package="test_cli")
 class DictNet(keras.Model):
     def __init__(self, **kwargs):
