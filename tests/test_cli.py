@@ -42,6 +42,12 @@ def exported(tmp_path_factory):
     return {"model": model, "keras": keras_path, "dir": export_dir, "proc": proc}
 
 
+def _cli(cwd, *args: str) -> subprocess.CompletedProcess:
+    """`python -m tf_sparse24 *args` in `cwd`, in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "tf_sparse24", *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=400, check=False)
+
+
 def test_export_command_writes_a_loadable_export(exported):
     proc = exported["proc"]
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -187,16 +193,10 @@ def test_import_registers_a_subclassed_models_class_in_a_fresh_process(tmp_path,
     net = CliNet()
     net(np.ones((2, 8), np.float32))
     tf_sparse24.prune(net).save(str(tmp_path / "net.keras"))
-    command = [sys.executable, "-m", "tf_sparse24", "export", "net.keras", "out/1",
-               "--input", "x:float32:None,8"]
-
-    def run(*extra):
-        return subprocess.run([*command, *extra], cwd=tmp_path, env=ENV, capture_output=True,
-                              text=True, timeout=400, check=False)
-
-    without = run()
+    command = ["export", "net.keras", "out/1", "--input", "x:float32:None,8"]
+    without = _cli(tmp_path, *command)
     assert without.returncode == 1 and "Could not locate class 'CliNet'" in without.stderr
-    done = run("--import", "cli_net_module")
+    done = _cli(tmp_path, *command, "--import", "cli_net_module")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "exported 1 compressed weights" in done.stdout
 
@@ -238,16 +238,10 @@ def test_import_can_set_the_policy_a_block_layer_was_saved_under(tmp_path, monke
         expected = np.asarray(model(x), np.float64)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    command = [sys.executable, "-m", "tf_sparse24", "export", "block.keras", "out/1",
-               "--import", "cli_block_module"]
-
-    def run(*extra):
-        return subprocess.run([*command, *extra], cwd=tmp_path, env=ENV, capture_output=True,
-                              text=True, timeout=400, check=False)
-
-    without = run()
+    command = ["export", "block.keras", "out/1", "--import", "cli_block_module"]
+    without = _cli(tmp_path, *command)
     assert without.returncode == 1 and "does not match type bfloat16" in without.stderr
-    done = run("--import", "bf16_policy")
+    done = _cli(tmp_path, *command, "--import", "bf16_policy")
     assert done.returncode == 0, done.stderr[-2000:]
     served = tf.saved_model.load(str(tmp_path / "out" / "1")).signatures["serving_default"]
     got = served(features=tf.constant(x))["scores"].numpy().astype(np.float64)
