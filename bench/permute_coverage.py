@@ -161,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     keras.config.set_floatx("float64")
     import tf_sparse24
-    from tf_sparse24.prune import walk_layers
+    from tf_sparse24.wrapper import walk_layers
 
     print("| model | spaces permuted / skipped | layers read a permuted space | attention heads "
           "permuted | permute s | max abs output diff (output scale) |")

@@ -22,7 +22,7 @@ from tf_sparse24.permute import (
     permute,
     search_permutation,
 )
-from tf_sparse24.prune import walk_layers
+from tf_sparse24.wrapper import walk_layers
 
 TokenAndPositionEmbedding = example("text_transformer").TokenAndPositionEmbedding
 TransformerBlock = example("text_transformer").TransformerBlock  # keras.io's, no build()

@@ -6,7 +6,9 @@ compressed weights. The package reads top-down: masks -> wrapper -> prune -> cal
 
 from tf_sparse24.masks import MASK_METHODS, compute_mask, is_nm_sparse, parse_pattern
 from tf_sparse24.wrapper import PrunedWeight, Sparse24
-from tf_sparse24.prune import eligible_weights, prune, pruned_layers, report, strip
+from tf_sparse24.registry import eligible_weights
+from tf_sparse24.prune import prune, pruned_layers, strip
+from tf_sparse24.report import report
 from tf_sparse24.batchnorm import recalibrate_batch_norm
 from tf_sparse24.callbacks import Sparse24Callback
 from tf_sparse24.ops import CompressedWeight, compress, decompress, sparse_matmul

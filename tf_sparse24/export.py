@@ -57,7 +57,7 @@ from tf_sparse24 import portable
 from tf_sparse24.layer_calls import calls_replaced
 from tf_sparse24.masks import parse_pattern
 from tf_sparse24.metadata import ExportError
-from tf_sparse24.prune import walk_layers
+from tf_sparse24.wrapper import walk_layers
 from tf_sparse24.registry import eligible_weights, own_variables
 from tf_sparse24.wrapper import Sparse24
 

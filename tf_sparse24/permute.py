@@ -44,21 +44,16 @@ import numpy as np
 import tensorflow as tf
 from tqdm.auto import tqdm
 
-from tf_sparse24.prune import (
-    _check_model,
-    _check_selectors,
-    _check_untied,
-    _copy_layer,
-    _covered,
-    _is_functional,
-    _sublayers,
+from tf_sparse24.model_copy import (
+    check_untied,
     clone_graph,
-    pruned_layers,
+    copy_layer,
+    is_functional,
     symbolic_arguments,
-    walk_layers,
 )
+from tf_sparse24.prune import _check_selectors, _covered, check_model, pruned_layers
 from tf_sparse24.registry import einsum_axis, einsum_parts, own_variables
-from tf_sparse24.wrapper import Sparse24
+from tf_sparse24.wrapper import Sparse24, _sublayers, walk_layers
 
 _EPS = 1e-6  # gains below this (in summed |w| / max |w|) are noise: stop searching
 
@@ -566,7 +561,7 @@ def _graph(model: keras.Model, follow: bool = True) -> _Graph:
         calls = {}
         outputs = set(names[-1:])
         input_names = []
-    elif _is_functional(model):
+    elif is_functional(model):
         try:
             config = model.get_config()
             if "layers" not in config:  # a subclass with its own config (keras_hub): same graph
@@ -1659,7 +1654,7 @@ def permute(
         >>> model, reports = tf_sparse24.permute(model)
         >>> model = tf_sparse24.prune(model)
     """
-    _check_model(model, "permute")
+    check_model(model, "permute")
     if wrapped := [w.name for w in pruned_layers(model)]:
         raise ValueError(
             f"permute(): model {model.name!r} already has Sparse24 layers {wrapped}: permute the "
@@ -1806,7 +1801,7 @@ def _permute(model, layers, search_options: dict, max_channels, progress, follow
             "permute() does not follow (a layer whose call it cannot follow, or a nested model "
             "that is shared, has several outputs or takes inputs not as a list)."
         )
-    _check_untied(model, "permute")
+    check_untied(model, "permute")
     selected = _covered(everything, selectors) if selectors else None
     plans, reports = _plan(graph, selected, max_channels)
     head_plans, head_reports = _head_plans(graph, attention, repeated, selected)
@@ -1846,12 +1841,12 @@ def _copy_model(model: keras.Model) -> tuple[keras.Model, dict[int, keras.Operat
     out the name gets a new one."""
     pairs = []
 
-    def copy_layer(layer):
-        new = _copy_layer(layer)
+    def copy_and_record(layer):
+        new = copy_layer(layer)
         pairs.append((layer, new))
         return new
 
-    copy = clone_graph(model, copy_layer, "permute")
+    copy = clone_graph(model, copy_and_record, "permute")
     copies = {}
     for old, new in pairs:
         copies[id(old)] = new
