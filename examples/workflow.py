@@ -21,9 +21,13 @@ def compile_model(model, lr: float, k=None) -> None:
                   metrics=["accuracy"])
 
 
-def accuracy(model, x, y) -> float:
-    """Test accuracy in percent."""
-    return 100.0 * float(np.mean(np.argmax(model.predict(x, batch_size=512, verbose=0), axis=1) == y))
+def accuracy(model, x, y, batch_size: int = 512) -> float:
+    """Test accuracy in percent. Calls the model eagerly, batch by batch: `predict()` traces a
+    function for each model, and for its last, shorter batch, which after a few models makes
+    TensorFlow print retracing warnings that mean nothing here."""
+    logits = [np.asarray(model(x[i:i + batch_size], training=False))
+              for i in range(0, len(x), batch_size)]
+    return 100.0 * float(np.mean(np.argmax(np.concatenate(logits), axis=1) == y))
 
 
 def run(title: str, data, build_model: Callable, *, epochs: int, finetune_epochs: int, lr: float,
