@@ -1,7 +1,8 @@
 // GPU kernels of Sparse24Compress / Sparse24Decompress / Sparse24MatMul (built with
-// TF_SPARSE24_CUDA=1; see docs/GPU.md). Thin: shape checks and TensorFlow's allocator and stream
-// here; the logic (checked compress and decompress, Sparse24MatMul's cuSPARSELt path and its
-// cuBLAS / plain-kernel fallback, with the weight cache) is in the framework-free core
+// TF_SPARSE24_CUDA=1; see docs/GPU.md). Thin: TensorFlow's allocator and stream here, under the
+// input checks and output allocation shared with the CPU kernels (sparse24_kernel_util.h); the
+// logic (checked compress and decompress, Sparse24MatMul's cuSPARSELt path and its cuBLAS /
+// plain-kernel fallback, with the weight cache) is in the framework-free core
 // (cc/sparse24/gpu_matmul.h), which gpu_check tests on a GPU without TensorFlow.
 #if GOOGLE_CUDA
 
@@ -25,10 +26,6 @@ namespace {
 
 namespace gpu = ::sparse24::gpu;
 
-using sparse24_kernels::CheckCompressed;
-using sparse24_kernels::CheckDense;
-using sparse24_kernels::CheckMatMul;
-using sparse24_kernels::MatMulShapes;
 using sparse24_kernels::ToDType;
 
 cudaStream_t StreamOf(OpKernelContext* ctx) {
@@ -75,19 +72,13 @@ void LogOnce(const std::string& key, const std::string& message) {
 }
 
 template <typename T>
-class Sparse24CompressGpuOp : public OpKernel {
+class Sparse24CompressGpuOp : public sparse24_kernels::CompressKernel {
  public:
-  explicit Sparse24CompressGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  using CompressKernel::CompressKernel;
 
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& dense = ctx->input(0);
-    OP_REQUIRES_OK(ctx, CheckDense(dense));
-    const int64_t k = dense.dim_size(0), n = dense.dim_size(1);
-    Tensor* values = nullptr;
-    Tensor* meta = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, k / 2}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, sparse24::meta_cols(k)}), &meta));
-    if (k == 0 || n == 0) return;
+ private:
+  void Compress(OpKernelContext* ctx, const Tensor& dense, int64_t k, int64_t n, Tensor* values,
+                Tensor* meta) override {
     OP_REQUIRES_OK(ctx, ToAbsl(gpu::compress_checked(
                             ToDType<T>(), dense.flat<T>().data(), k, n, values->flat<T>().data(),
                             meta->flat<uint8_t>().data(), TfAllocator(ctx), StreamOf(ctx))));
@@ -95,47 +86,28 @@ class Sparse24CompressGpuOp : public OpKernel {
 };
 
 template <typename T>
-class Sparse24DecompressGpuOp : public OpKernel {
+class Sparse24DecompressGpuOp : public sparse24_kernels::DecompressKernel {
  public:
-  explicit Sparse24DecompressGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& values = ctx->input(0);
-    const Tensor& meta = ctx->input(1);
-    OP_REQUIRES_OK(ctx, CheckCompressed("Sparse24Decompress", values, meta, k_));
-    const int64_t n = values.dim_size(0);
-    Tensor* dense = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k_, n}), &dense));
-    if (k_ == 0 || n == 0) return;
-    OP_REQUIRES_OK(ctx, ToAbsl(gpu::decompress_checked(
-                            ToDType<T>(), values.flat<T>().data(), meta.flat<uint8_t>().data(),
-                            k_, n, dense->flat<T>().data(), TfAllocator(ctx), StreamOf(ctx))));
-  }
+  using DecompressKernel::DecompressKernel;
 
  private:
-  int64_t k_;
+  void Decompress(OpKernelContext* ctx, const Tensor& values, const Tensor& meta, int64_t k,
+                  int64_t n, Tensor* dense) override {
+    OP_REQUIRES_OK(ctx, ToAbsl(gpu::decompress_checked(
+                            ToDType<T>(), values.flat<T>().data(), meta.flat<uint8_t>().data(),
+                            k, n, dense->flat<T>().data(), TfAllocator(ctx), StreamOf(ctx))));
+  }
 };
 
 template <typename T>
-class Sparse24MatMulGpuOp : public OpKernel {
+class Sparse24MatMulGpuOp : public sparse24_kernels::MatMulKernel {
  public:
   explicit Sparse24MatMulGpuOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx), matmul_(LogOnce, gpu::trust_weight_address_from_env()) {}
+      : MatMulKernel(ctx), matmul_(LogOnce, gpu::trust_weight_address_from_env()) {}
 
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& values = ctx->input(1);
-    const Tensor& meta = ctx->input(2);
-    OP_REQUIRES_OK(ctx, CheckMatMul(x, values, meta));
-    const int64_t k = x.dim_size(x.dims() - 1);
-    const int64_t n = values.dim_size(0);
-    TensorShape y_shape;
-    int64_t m;
-    MatMulShapes(x, n, &y_shape, &m);
-    Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y_shape, &y));
+ private:
+  void MatMul(OpKernelContext* ctx, const Tensor& x, const Tensor& values, const Tensor& meta,
+              int64_t m, int64_t k, int64_t n, Tensor* y) override {
     const cudaStream_t stream = StreamOf(ctx);
     if (y->NumElements() == 0) {  // no rows: meta is still validated, as on the CPU
       if (k > 0 && n > 0) {
@@ -157,7 +129,6 @@ class Sparse24MatMulGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ToAbsl(matmul_.run(args, TfAllocator(ctx), stream)));
   }
 
- private:
   gpu::SparseMatMul matmul_;  // cuSPARSELt plans and the cache of prepared weights
 };
 

@@ -1,5 +1,7 @@
-// Checks and type mapping shared by the CPU and GPU kernels of the Sparse24 ops, so both devices
-// accept the same inputs and word their errors the same way.
+// What the CPU and GPU kernels of the Sparse24 ops share, so both devices accept the same inputs
+// and word their errors the same way: the input checks, the type mapping, and one base class per
+// op whose Compute checks the inputs and allocates the outputs before handing them to the device's
+// kernel (a subclass) for the work itself.
 #ifndef TF_SPARSE24_CC_TF_SPARSE24_KERNEL_UTIL_H_
 #define TF_SPARSE24_CC_TF_SPARSE24_KERNEL_UTIL_H_
 
@@ -9,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "cc/sparse24/dtype.h"
 #include "cc/sparse24/format.h"
+#include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 
@@ -95,6 +98,84 @@ inline void MatMulShapes(const Tensor& x, int64_t n, TensorShape* y_shape, int64
   *y_shape = x.shape();
   y_shape->set_dim(x.dims() - 1, n);
 }
+
+// Sparse24Compress: dense [K, N] -> values [N, K/2], meta [N, ceil(K/8)].
+class CompressKernel : public OpKernel {
+ public:
+  explicit CompressKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) final {
+    const Tensor& dense = ctx->input(0);
+    OP_REQUIRES_OK(ctx, CheckDense(dense));
+    const int64_t k = dense.dim_size(0), n = dense.dim_size(1);
+    Tensor* values = nullptr;
+    Tensor* meta = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, k / 2}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, sparse24::meta_cols(k)}), &meta));
+    if (k == 0 || n == 0) return;
+    Compress(ctx, dense, k, n, values, meta);
+  }
+
+ private:
+  // Fills values and meta from dense (k, n > 0), or fails on ctx naming the first group that is
+  // not 2:4.
+  virtual void Compress(OpKernelContext* ctx, const Tensor& dense, int64_t k, int64_t n,
+                        Tensor* values, Tensor* meta) = 0;
+};
+
+// Sparse24Decompress: values [N, k/2], meta [N, ceil(k/8)] -> dense [k, N], k an attribute.
+class DecompressKernel : public OpKernel {
+ public:
+  explicit DecompressKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
+  }
+
+  void Compute(OpKernelContext* ctx) final {
+    const Tensor& values = ctx->input(0);
+    const Tensor& meta = ctx->input(1);
+    OP_REQUIRES_OK(ctx, CheckCompressed("Sparse24Decompress", values, meta, k_));
+    const int64_t n = values.dim_size(0);
+    Tensor* dense = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k_, n}), &dense));
+    if (k_ == 0 || n == 0) return;
+    Decompress(ctx, values, meta, k_, n, dense);
+  }
+
+ private:
+  // Fills dense from values and meta (k, n > 0), or fails on ctx naming the first bad meta entry.
+  virtual void Decompress(OpKernelContext* ctx, const Tensor& values, const Tensor& meta, int64_t k,
+                          int64_t n, Tensor* dense) = 0;
+
+  int64_t k_;
+};
+
+// Sparse24MatMul: x [..., K] @ W -> y [..., N], W [K, N] given as values [N, K/2], meta
+// [N, ceil(K/8)].
+class MatMulKernel : public OpKernel {
+ public:
+  explicit MatMulKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) final {
+    const Tensor& x = ctx->input(0);
+    const Tensor& values = ctx->input(1);
+    const Tensor& meta = ctx->input(2);
+    OP_REQUIRES_OK(ctx, CheckMatMul(x, values, meta));
+    const int64_t k = x.dim_size(x.dims() - 1);
+    const int64_t n = values.dim_size(0);
+    TensorShape y_shape;
+    int64_t m;
+    MatMulShapes(x, n, &y_shape, &m);
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y_shape, &y));
+    MatMul(ctx, x, values, meta, m, k, n, y);
+  }
+
+ private:
+  // y [M, N] = x [M, K] @ W. Any of m, k, n may be 0: meta is still validated where it has
+  // entries, and y is zero where K is.
+  virtual void MatMul(OpKernelContext* ctx, const Tensor& x, const Tensor& values,
+                      const Tensor& meta, int64_t m, int64_t k, int64_t n, Tensor* y) = 0;
+};
 
 }  // namespace sparse24_kernels
 }  // namespace tensorflow

@@ -1,5 +1,6 @@
-// CPU kernels of Sparse24Compress / Sparse24Decompress / Sparse24MatMul: shape and input checks,
-// then the framework-free core (cc/sparse24/) on TensorFlow's intra-op thread pool.
+// CPU kernels of Sparse24Compress / Sparse24Decompress / Sparse24MatMul: the framework-free core
+// (cc/sparse24/) on TensorFlow's intra-op thread pool, under the input checks and output allocation
+// shared with the GPU kernels (sparse24_kernel_util.h).
 #include <cstdlib>
 #include <string>
 
@@ -16,11 +17,7 @@
 namespace tensorflow {
 namespace {
 
-using sparse24_kernels::CheckCompressed;
-using sparse24_kernels::CheckDense;
-using sparse24_kernels::CheckMatMul;
 using sparse24_kernels::InvalidArgument;
-using sparse24_kernels::MatMulShapes;
 using sparse24_kernels::ToDType;
 
 constexpr char kIsaEnvVar[] = "TF_SPARSE24_CPU_ISA";
@@ -61,19 +58,13 @@ sparse24::ParallelFor PoolParallelFor(OpKernelContext* ctx) {
 }
 
 template <typename T>
-class Sparse24CompressOp : public OpKernel {
+class Sparse24CompressOp : public sparse24_kernels::CompressKernel {
  public:
-  explicit Sparse24CompressOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  using CompressKernel::CompressKernel;
 
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& dense = ctx->input(0);
-    OP_REQUIRES_OK(ctx, CheckDense(dense));
-    const int64_t k = dense.dim_size(0), n = dense.dim_size(1);
-    Tensor* values = nullptr;
-    Tensor* meta = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, k / 2}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, sparse24::meta_cols(k)}), &meta));
-    if (k == 0 || n == 0) return;
+ private:
+  void Compress(OpKernelContext* ctx, const Tensor& dense, int64_t k, int64_t n, Tensor* values,
+                Tensor* meta) override {
     const std::string error =
         sparse24::compress(ToDType<T>(), dense.flat<T>().data(), k, n, values->flat<T>().data(),
                            meta->flat<uint8_t>().data());
@@ -82,49 +73,30 @@ class Sparse24CompressOp : public OpKernel {
 };
 
 template <typename T>
-class Sparse24DecompressOp : public OpKernel {
+class Sparse24DecompressOp : public sparse24_kernels::DecompressKernel {
  public:
-  explicit Sparse24DecompressOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
-  }
+  using DecompressKernel::DecompressKernel;
 
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& values = ctx->input(0);
-    const Tensor& meta = ctx->input(1);
-    OP_REQUIRES_OK(ctx, CheckCompressed("Sparse24Decompress", values, meta, k_));
-    const int64_t n = values.dim_size(0);
-    Tensor* dense = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k_, n}), &dense));
-    if (k_ == 0 || n == 0) return;
+ private:
+  void Decompress(OpKernelContext* ctx, const Tensor& values, const Tensor& meta, int64_t k,
+                  int64_t n, Tensor* dense) override {
     const std::string error =
-        sparse24::decompress(ToDType<T>(), values.flat<T>().data(), meta.flat<uint8_t>().data(), k_,
+        sparse24::decompress(ToDType<T>(), values.flat<T>().data(), meta.flat<uint8_t>().data(), k,
                              n, dense->flat<T>().data());
     OP_REQUIRES(ctx, error.empty(), InvalidArgument("Sparse24Decompress: ", error));
   }
-
- private:
-  int64_t k_;
 };
 
 template <typename T>
-class Sparse24MatMulOp : public OpKernel {
+class Sparse24MatMulOp : public sparse24_kernels::MatMulKernel {
  public:
-  explicit Sparse24MatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  using MatMulKernel::MatMulKernel;
 
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& values = ctx->input(1);
-    const Tensor& meta = ctx->input(2);
-    OP_REQUIRES_OK(ctx, CheckMatMul(x, values, meta));
-    const int64_t k = x.dim_size(x.dims() - 1);
+ private:
+  void MatMul(OpKernelContext* ctx, const Tensor& x, const Tensor& values, const Tensor& meta,
+              int64_t m, int64_t k, int64_t n, Tensor* y) override {
     sparse24::Isa isa;
     OP_REQUIRES_OK(ctx, RequestedIsa(&isa));
-    const int64_t n = values.dim_size(0);
-    TensorShape y_shape;
-    int64_t m;
-    MatMulShapes(x, n, &y_shape, &m);
-    Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y_shape, &y));
     sparse24::SpmmArgs args;
     args.dtype = ToDType<T>();
     args.x = x.flat<T>().data();
