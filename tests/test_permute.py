@@ -11,7 +11,8 @@ import tensorflow as tf
 from helpers.examples import example
 
 from tf_sparse24 import prune
-from tf_sparse24.permute import (
+from tf_sparse24.permute import permute
+from tf_sparse24.permute_search import (
     _native_top2_group_sums,
     _partitions,
     _top2_sum,
@@ -19,7 +20,6 @@ from tf_sparse24.permute import (
     channel_matrix,
     kept_magnitude,
     permutation_efficacy,
-    permute,
     search_permutation,
 )
 from tf_sparse24.prune import walk_layers
