@@ -2,12 +2,13 @@
 
 A channel space is a set of channels that producers write (Dense/ConvND, SeparableConv,
 EinsumDense, attention output projections, Embedding tables) and consumers read (their kernels'
-input axes), through layers that commute with a reordering of the channels: activations,
-normalizations, depthwise convolutions, elementwise merges (a residual add joins its branches)
-and concatenations (past which the space is a slice at an offset). `channel_space` walks the
-graph from a layer's output and says why a space cannot be permuted; `read_axes` and
-`write_axes` name the weight axes along a layer's input and output channels. Layers no rule
-covers are tried on random inputs (`_probe`).
+input axes; also GRU, LSTM and SimpleRNN), through layers that commute with a reordering of the
+channels: activations, normalizations, depthwise convolutions, elementwise merges (a residual add
+joins its branches) and concatenations (past which the space is a slice at an offset).
+`channel_space` walks the graph from a layer's output and says why a space cannot be permuted;
+`read_axes` and `write_axes` name the weight axes along a layer's input and output channels;
+`unpermuted_cause` says why a layer with kernels is left alone. Layers no rule covers are tried
+on random inputs (`_probe`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ _SEPARABLE = {"SeparableConv1D", "SeparableConv2D"}
 
 
 _KERNEL_LAYERS = {"Dense", "Conv1D", "Conv2D", "Conv3D"}  # producers and consumers
+# Recurrent layers whose cell kernel `[in, gates * units]` reads the input's channels along axis 0,
+# as a Dense kernel does: consumers. Their output, a recurrent state, is not reordered.
+_RECURRENT = {"GRU", "LSTM", "SimpleRNN"}
+# Layers with kernels that permute() leaves alone, for the reasons `unpermuted_cause` gives.
+_TRANSPOSED = {"Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"}
+_OTHER_RECURRENT = {"RNN", "Bidirectional", "ConvLSTM1D", "ConvLSTM2D", "ConvLSTM3D"}
 
 
 # Attention layers (Keras' own): projections read the residual stream, value heads are permuted.
@@ -216,12 +223,38 @@ def roots(graph: Graph, name: str) -> list[str]:
 
 
 def _cannot(graph: Graph, name: str) -> str:
-    """'cannot be permuted', and why not for a custom layer whose call was not followed."""
+    """'cannot be permuted', and why not for a custom layer whose call was not followed, a
+    constant Normalization or a layer `unpermuted_cause` knows."""
     why = graph.unfollowed.get(name)
     if not why and _constant_normalization(graph.ops.get(name)):
         why = ("its mean and variance are constants given to its constructor, not weights that "
                "could be reordered: adapt() it instead")
+    why = why or unpermuted_cause(graph.ops.get(name))
     return f"cannot be permuted ({why})" if why else "cannot be permuted"
+
+
+def unpermuted_cause(layer) -> str:
+    """Why permute() does not reorder the channels of `layer`, a Keras layer with kernels, in a few
+    words for the reports ('' for any other layer): a grouped, transposed, channels-first or
+    depth-multiplying convolution (SeparableConv: its input), or a recurrent layer (GRU, LSTM and
+    SimpleRNN: their output)."""
+    kind = keras_kind(layer)
+    convolutions = {*_KERNEL_LAYERS, *_TRANSPOSED, *_SEPARABLE, *DEPTHWISE} - {"Dense"}
+    if kind in convolutions and getattr(layer, "data_format", None) == "channels_first":
+        return "data_format='channels_first'"
+    if kind in _KERNEL_LAYERS and getattr(layer, "groups", 1) > 1 and not _grouped_depthwise(layer):
+        return f"grouped convolution, groups={layer.groups}"
+    if kind in _TRANSPOSED:
+        return "transposed convolution"
+    if kind in DEPTHWISE and layer.depth_multiplier > 1:
+        return f"depth_multiplier={layer.depth_multiplier} interleaves its output channels"
+    if kind in _SEPARABLE and layer.depth_multiplier > 1:  # its pointwise kernel: a producer
+        return f"depth_multiplier={layer.depth_multiplier}: only its output channels are reordered"
+    if kind in _RECURRENT:
+        return "recurrent layer: only its input channels are reordered"
+    if kind in _OTHER_RECURRENT:
+        return "recurrent layer (of these, only GRU, LSTM and SimpleRNN read reordered channels)"
+    return ""
 
 
 def _constant_normalization(layer) -> bool:
@@ -277,8 +310,9 @@ def read_axes(layer) -> dict[str, list[WeightAxis]]:
 
     Dense/ConvND (channels_last, groups=1): kernel axis -2. SeparableConv (depth_multiplier 1): its
     pointwise kernel, and its depthwise filters (not grouped). EinsumDense: the kernel axis
-    contracted with the input's last axis. MultiHeadAttention and GroupQueryAttention: that axis of
-    their query (and gate), key and value projections.
+    contracted with the input's last axis. GRU, LSTM, SimpleRNN: their cell's kernel axis 0 (of
+    `[in, gates * units]`). MultiHeadAttention and GroupQueryAttention: that axis of their query
+    (and gate), key and value projections.
     """
     kind = keras_kind(layer) if _built_channels_last(layer) else ""
     if kind in _KERNEL_LAYERS and getattr(layer, "groups", 1) == 1:
@@ -290,6 +324,8 @@ def read_axes(layer) -> dict[str, list[WeightAxis]]:
     if kind == "EinsumDense":
         axis = _einsum_reads(layer)
         return {"inputs": [axis]} if axis else {}
+    if kind in _RECURRENT:
+        return {"sequences": [WeightAxis(layer.cell.kernel, 0)]}
     if kind in _ATTENTION:
         parts = attention_projections(layer)
         axes = {role: _einsum_reads(parts[role]) for role in ("query", "key", "value", "gate")

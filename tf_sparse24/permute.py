@@ -40,6 +40,7 @@ from tf_sparse24.channel_spaces import (
     refresh_statistics,
     roots,
     shared_reason,
+    unpermuted_cause,
     write_axes,
 )
 from tf_sparse24.model_graph import Graph, describe, keras_kind, read_graph, restoring_layers
@@ -107,7 +108,8 @@ def permute(
 
     For each channel space (a set of channels that "producers" write: Dense/ConvND, SeparableConv,
     EinsumDense, MultiHeadAttention and GroupQueryAttention (their output projection) and Embedding
-    tables; and that "consumers" read: Dense/ConvND, SeparableConv (depth_multiplier 1), EinsumDense
+    tables; and that "consumers" read: Dense/ConvND, SeparableConv (depth_multiplier 1),
+    EinsumDense, GRU, LSTM and SimpleRNN (their cell's kernel `[in, gates * units]` along `in`)
     and those attention layers (their query, key and value projections, per call argument), through
     activations, dropout, pooling, reshapes that keep the last axis, BatchNormalization,
     LayerNormalization, RMSNormalization, an adapted Normalization (its per-channel mean and
@@ -146,7 +148,12 @@ def permute(
     whatever its name or base class, is only tried); quantized or LoRA-enabled layers; channel
     counts that are not a multiple of 4 or above `max_channels`, and slices of a concatenation that
     start at an input channel that is not a multiple of 4; an input that no kernel of its layer
-    reads (an attention mask); value heads whose value_dim is not a multiple of 4.
+    reads (an attention mask); value heads whose value_dim is not a multiple of 4. In a report of
+    its own (and named in the reason of a space that stops there): each layer with kernels whose
+    channels permute() leaves alone: a grouped (other than one group per channel), transposed or
+    channels_first convolution, a DepthwiseConv with depth_multiplier > 1, the input of a
+    SeparableConv with depth_multiplier > 1, a recurrent layer other than GRU, LSTM and SimpleRNN
+    (Bidirectional, `RNN(cell)`, ConvLSTM); the output of any recurrent layer.
 
     Args:
         model: a built Functional or Sequential keras.Model.
@@ -276,11 +283,17 @@ def _plan(
     graph: Graph, selected: set[int] | None, max_channels: int | None
 ) -> tuple[list[_Plan], list[PermutationReport]]:
     """The channel spaces to permute (their kernels read and checked) and reports for the
-    skipped ones; one per space that a selected consumer reads."""
+    skipped ones; one per space that a selected consumer reads, and one per selected layer with
+    kernels whose channels permute() leaves alone (`unpermuted_cause`: a grouped convolution)."""
     plans, reports, seen = [], [], set()
     for name, op in graph.ops.items():
+        if selected is not None and id(op) not in selected:
+            continue
         by_input = argument_reads(graph, name)
-        if not any(by_input) or (selected is not None and id(op) not in selected):
+        if not any(by_input):
+            if cause := unpermuted_cause(op):
+                reports.append(PermutationReport(None, (name,), 0, False,
+                                                 f"{describe(name, op)} is not permuted: {cause}"))
             continue
         if why := shared_reason(graph, name):
             reports.append(PermutationReport(None, (name,), 0, False,
