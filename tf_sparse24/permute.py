@@ -74,6 +74,10 @@ class PermutationReport:
     `heads` > 0 marks the space inside one attention layer (producer and consumer): the output
     channels of its value projection, read by its output projection, reordered within each of its
     `heads` value heads (`channels` per head; the figures sum over the heads).
+
+    A report may also be about one layer alone (`consumers` its name, no producers, 0 channels): a
+    shared layer, or one whose channels permute() leaves alone (a grouped convolution), as `reason`
+    says.
     """
 
     producer: str | None
