@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from tf_sparse24.permute import permutation_efficacy, search_permutation
+from tf_sparse24.permute_search import permutation_efficacy, search_permutation
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ import tensorflow as tf
 from helpers.examples import example
 
 from tf_sparse24 import prune
-from tf_sparse24.permute import (
+from tf_sparse24.permute import permute
+from tf_sparse24.permute_search import (
     _native_top2_group_sums,
     _partitions,
     _top2_sum,
@@ -19,7 +20,6 @@ from tf_sparse24.permute import (
     channel_matrix,
     kept_magnitude,
     permutation_efficacy,
-    permute,
     search_permutation,
 )
 from tf_sparse24.wrapper import walk_layers
@@ -507,6 +507,128 @@ def test_permute_separable_convs_as_consumers():
     short = [m.get_layer("short").kernel.numpy() for m in (model, permuted)]
     np.testing.assert_array_equal(*(np.sort(k, axis=2) for k in short))  # input axis only
     assert report_of["head"].permuted and report_of["head"].producers == ("sep_dm2",)
+
+
+@pytest.mark.parametrize("middle, cause", [
+    (keras.layers.Conv2D(16, 3, padding="same", groups=2, name="mid"),
+     "grouped convolution, groups=2"),
+    (keras.layers.Conv2DTranspose(16, 3, padding="same", name="mid"), "transposed convolution"),
+    (keras.layers.DepthwiseConv2D(3, padding="same", depth_multiplier=2, name="mid"),
+     "depth_multiplier=2 interleaves its output channels"),
+    (keras.layers.SeparableConv2D(16, 3, padding="same", depth_multiplier=2, name="mid"),
+     "depth_multiplier=2: only its output channels are reordered"),
+], ids=["grouped", "transposed", "depthwise_multiplier", "separable_multiplier"])
+def test_permute_reports_each_convolution_it_leaves_alone_and_why(middle, cause):
+    # The channels between c0 and `mid` have no consumer permute() reorders: `mid` gets a report
+    # of its own, and the space after it names the same cause.
+    inputs = keras.Input((8, 8, 4))
+    x = keras.layers.Conv2D(16, 3, padding="same", name="c0")(inputs)
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c2")(middle(x))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+    _randomize(model, seed=2)
+    printed = []
+
+    permuted, reports = permute(model, kicks=1, progress=False, print_fn=printed.append)
+
+    _assert_same_function(model, permuted, _x(2, 8, 8, 4))
+    kind = type(middle).__name__
+    by_consumer = {r.consumers: r for r in reports}
+    own = by_consumer[("mid",)]
+    assert not own.permuted and own.producers == () and own.channels == 0
+    assert own.reason == f"'mid' ({kind}) is not permuted: {cause}"
+    assert f"- -> mid [0 ch]: skipped: 'mid' ({kind}) is not permuted: {cause}" in printed
+    after = by_consumer[("c2",)]
+    if kind == "SeparableConv2D":  # its pointwise kernel writes its output channels
+        assert after.permuted and after.producers == ("mid",)
+    else:
+        assert after.reason == (f"its input channels come from 'mid' ({kind}), which cannot be "
+                                f"permuted ({cause})")
+    assert by_consumer[("head",)].permuted
+
+
+def test_permute_reports_a_bidirectional_layer_and_a_channels_first_convolution():
+    inputs = keras.Input((6, 8))
+    x = keras.layers.Dense(8, name="d0")(inputs)
+    x = keras.layers.Bidirectional(keras.layers.GRU(4), name="bi")(x)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+    _randomize(model, seed=3)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(2, 6, 8))
+    reasons = {r.consumers: r.reason for r in reports if not r.permuted}
+    assert reasons[("bi",)] == ("'bi' (Bidirectional) is not permuted: recurrent layer (of these, "
+                                "only GRU, LSTM and SimpleRNN read reordered channels)")
+    assert "which cannot be permuted (recurrent layer (of these" in reasons[("head",)]
+    assert not any(r.permuted for r in reports)
+
+    # channels_first: TensorFlow's CPU convolutions do not run it, so only the report is checked.
+    inputs = keras.Input((6, 8))
+    x = keras.layers.Dense(8, name="d0")(inputs)
+    x = keras.layers.Conv1D(8, 1, data_format="channels_first", name="first")(x)  # channels: 6
+    model = keras.Model(inputs, x)
+    reasons = {r.consumers: r.reason for r in permute(model, kicks=1, progress=False)[1]}
+    assert reasons[("first",)] == "'first' (Conv1D) is not permuted: data_format='channels_first'"
+
+
+@pytest.mark.parametrize("recurrent", [
+    lambda: keras.layers.GRU(12, name="rnn"),
+    lambda: keras.layers.GRU(12, reset_after=False, return_sequences=True, name="rnn"),
+    lambda: keras.layers.LSTM(12, name="rnn"),
+    lambda: keras.layers.SimpleRNN(12, go_backwards=True, name="rnn"),
+], ids=["gru", "gru_v1_sequences", "lstm", "simple_rnn_backwards"])
+@pytest.mark.parametrize("sequential", [False, True], ids=["functional", "sequential"])
+def test_permute_reorders_the_input_channels_of_recurrent_layers(recurrent, sequential):
+    # A recurrent kernel [in, gates * units] reads its input's channels along axis 0, as a Dense
+    # kernel does: its rows are reordered with the producer's output channels; its output (the
+    # recurrent state) is not.
+    layers = [keras.layers.Dense(16, activation="relu", name="d0"), recurrent(),
+              keras.layers.Dense(4, name="head")]
+    if sequential:
+        model = keras.Sequential([keras.Input((5, 8)), *layers])
+    else:
+        inputs = keras.Input((5, 8))
+        x = inputs
+        for layer in layers:
+            x = layer(x)
+        model = keras.Model(inputs, x)
+    _randomize(model, seed=7)
+
+    permuted, reports = permute(model, kicks=2, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 5, 8, seed=11))
+    by_consumer = {r.consumers: r for r in reports}
+    space = by_consumer[("rnn",)]
+    assert space.permuted and space.producers == ("d0",) and space.channels == 16
+    kernel = model.get_layer("rnn").cell.kernel.numpy()
+    assert space.kept_before == pytest.approx(kept_magnitude(kernel.T))
+    assert space.kept_after == pytest.approx(
+        kept_magnitude(permuted.get_layer("rnn").cell.kernel.numpy().T))
+    assert space.kept_after > space.kept_before
+    kind = type(model.get_layer("rnn")).__name__
+    assert by_consumer[("head",)].reason == (
+        f"its input channels come from 'rnn' ({kind}), which cannot be permuted (recurrent layer: "
+        "only its input channels are reordered)")
+    np.testing.assert_array_equal(permuted.get_layer("rnn").cell.recurrent_kernel.numpy(),
+                                  model.get_layer("rnn").cell.recurrent_kernel.numpy())
+
+
+def test_permute_reorders_an_embedding_table_for_a_masked_gru():
+    # A text classifier: the Embedding table's columns and the GRU kernel's rows move together;
+    # the mask (from the token ids) does not change.
+    inputs = keras.Input((7,), dtype="int32")
+    x = keras.layers.Embedding(50, 16, mask_zero=True, name="embed")(inputs)
+    x = keras.layers.GRU(8, name="gru")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
+    _randomize(model, seed=5)
+
+    permuted, reports = permute(model, kicks=2, progress=False)
+
+    tokens = np.random.default_rng(3).integers(0, 50, size=(6, 7)).astype("int32")
+    tokens[:, 4:] = 0  # padding, masked
+    _assert_same_function(model, permuted, tokens)
+    space = next(r for r in reports if r.consumers == ("gru",))
+    assert space.permuted and space.producers == ("embed",) and space.kept_after > space.kept_before
 
 
 def test_permute_sequential_and_errors():

@@ -15,7 +15,8 @@ from tf_sparse24.ops import CompressedWeight, compress, decompress, sparse_matmu
 from tf_sparse24.export import export, load
 from tf_sparse24.metadata import ExportError
 from tf_sparse24.verify import describe as describe_export, verify as verify_export
-from tf_sparse24.permute import PermutationReport, permute, search_permutation
+from tf_sparse24.permute import PermutationReport, permute
+from tf_sparse24.permute_search import search_permutation
 from tf_sparse24.srste import SRSTE
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-// Scores of 4-channel groups for the channel-permutation search (tf_sparse24/permute.py).
+// Scores of 4-channel groups for the channel-permutation search (tf_sparse24/permute_search.py).
 //
 // A group's score is the magnitude 2:4 keeps of it: the sum over rows of the two largest of its
 // four channels' |w|. The search scores millions of candidate groups, so this is its hot loop

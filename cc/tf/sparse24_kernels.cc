@@ -151,7 +151,7 @@ int tf_sparse24_cpu_isa_supported(const char* name) {
   return sparse24::isa_supported(isa) ? 1 : 0;
 }
 
-// For tf_sparse24/permute.py (ctypes): see sparse24::top2_group_sums.
+// For tf_sparse24/permute_search.py (ctypes): see sparse24::top2_group_sums.
 void tf_sparse24_top2_group_sums(const float* magnitudes, int64_t rows, const int64_t* groups,
                                  int64_t count, double* out, int threads) {
   sparse24::top2_group_sums(magnitudes, rows, groups, count, out, threads);
