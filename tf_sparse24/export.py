@@ -50,6 +50,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import UninitializedVariable
 
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
@@ -657,7 +658,11 @@ class _DenseKernel(tf.saved_model.experimental.TrackableResource):
         self._values, self._meta, self._k, self._shape = values, meta, k, list(shape)
         self._dtype = tf.as_dtype(dtype)  # the Keras variable's (values may be stored narrower)
         self._decompress = decompress
-        self.variable = _unsaved(tf.Variable(tf.zeros(self._shape, self._dtype), trainable=False))
+        # Uninitialized (TensorFlow's class for variables restored later; private, pinned with
+        # TF 2.21): a zero-filled one would hold a dense kernel's bytes while exporting.
+        self.variable = _unsaved(
+            UninitializedVariable(shape=self._shape, dtype=self._dtype, trainable=False)
+        )
         self._unused_name = f"tf_sparse24_unused_{uuid.uuid4().hex}"
         super().__init__()
         self._track_trackable(self.variable, name="variable")
