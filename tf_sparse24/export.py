@@ -68,7 +68,8 @@ ACCELERATED_OPS = frozenset({"Sparse24MatMul", "Sparse24Decompress"})
 
 @dataclasses.dataclass
 class _Sparse:
-    """One 2:4 weight of the model and its compressed form."""
+    """One 2:4 weight of the model and its compressed form, as the variables the SavedModel stores
+    (made from the compressed numpy arrays, which are then dropped: one copy while exporting)."""
 
     name: str  # unique label, the Keras variable path
     layer: keras.layers.Layer  # the (unwrapped) layer that owns the weight
@@ -76,8 +77,8 @@ class _Sparse:
     mask: keras.Variable | None  # the wrapper's mask (mapped to ones: the weight is already masked)
     axis: int
     pattern: str
-    values: np.ndarray
-    meta: np.ndarray
+    values: tf.Variable
+    meta: tf.Variable
     effective: Callable[[], Any]  # the value the forward uses, in the variable's dtype
 
     @property
@@ -362,7 +363,7 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
             for pw in layer.pruned_weights:
                 effective = functools.partial(layer.effective_weight, pw)
                 value = _as_computed(layer.layer, pw.variable, effective())
-                values, meta = _compress(pw.variable.path, value, pw.axis, pw.pattern)
+                values, meta = _stored(*_compress(pw.variable.path, value, pw.axis, pw.pattern))
                 found.append(_Sparse(pw.variable.path, layer.layer, pw.variable, pw.mask,
                                      pw.axis % value.ndim, pw.pattern, values, meta, effective))
         elif id(layer) not in wrapped and not isinstance(layer, keras.Model):
@@ -372,7 +373,7 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
                 claimed.add(id(variable))
                 value = _as_computed(layer, variable, variable.value)
                 try:
-                    values, meta = fmt.compress(fmt.to_2d(value, axis))
+                    values, meta = _stored(*fmt.compress(fmt.to_2d(value, axis)))
                 except ValueError:  # not 2:4 (a dense kernel): stored as is
                     _warn_if_drifted(variable.path, fmt.to_2d(value, axis))
                     continue
@@ -380,6 +381,21 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
                                      "2:4", values, meta, lambda v=variable: v.value))
     _dedupe_names(found)
     return found
+
+
+def _stored(values: np.ndarray, meta: np.ndarray) -> tuple[tf.Variable, tf.Variable]:
+    """The variables that store a compressed weight in the SavedModel."""
+    return tf.Variable(values, trainable=False), tf.Variable(meta, trainable=False)
+
+
+def _host_array(value) -> np.ndarray:
+    """A tensor's or variable's value as a read-only numpy array over TensorFlow's buffer (no copy
+    on CPU): `.numpy()` would copy every weight and stored tensor once more while exporting."""
+    value = tf.convert_to_tensor(value)
+    try:
+        return np.frombuffer(value, dtype=value.dtype.as_numpy_dtype).reshape(value.shape)
+    except (BufferError, TypeError, ValueError):  # no buffer protocol for it: a copy
+        return value.numpy()
 
 
 def _warn_if_drifted(name: str, w: np.ndarray, tiny: float = 1e-3) -> None:
@@ -423,7 +439,7 @@ def _as_computed(layer: keras.layers.Layer, variable: keras.Variable, value) -> 
         and getattr(owner, "autocast", True)  # Dense(autocast=False) multiplies it in float32
     ):
         value = tf.cast(value, dtype)  # as Keras' autocast does
-    return value.numpy()
+    return _host_array(value)
 
 
 def _dedupe_names(items: list) -> None:
@@ -907,14 +923,15 @@ def _used_uncast_in_loop(loop: tf.Operation, tensor: tf.Tensor, dtype) -> bool:
 
 def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
     module = tf.Module()
-    module.sparse_values = [tf.Variable(s.values, trainable=False) for s in sparse]
-    module.sparse_meta = [tf.Variable(s.meta, trainable=False) for s in sparse]
+    module.sparse_values = [s.values for s in sparse]
+    module.sparse_meta = [s.meta for s in sparse]
     replaced = {id(s.variable) for s in sparse} | {id(s.mask) for s in sparse if s.mask is not None}
     dense_vars = []
     for variable in model.variables:
         if id(variable) not in replaced and all(variable is not v for v in dense_vars):
             dense_vars.append(variable)
-    module.dense = [tf.Variable(v.value, trainable=False) for v in dense_vars]  # one copy each
+    # Not a copy in memory: TensorFlow assigns the Keras variable's tensor, sharing its buffer.
+    module.dense = [tf.Variable(v.value, trainable=False) for v in dense_vars]
     # Lookup tables (StringLookup, IntegerLookup, TextVectorization): resources that are not
     # variables; the served function uses them, so the SavedModel must hold them (and their
     # vocabulary).
@@ -944,13 +961,12 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
         # Something besides the layer's call reads the dense kernel (a tied weight): such a
         # kernel is decompressed at load instead. Trace again without it.
         calls = {i: call for i, call in calls.items() if i not in read}
-        values, meta = list(module.sparse_values), list(module.sparse_meta)
         for i in wide:  # ... and one a float32 layer reads is stored with its float32 values
             s = sparse[i]
-            s.values, s.meta = _compress(s.name, keras.ops.convert_to_numpy(s.effective()), s.axis)
-            values[i] = tf.Variable(s.values, trainable=False)
-            meta[i] = tf.Variable(s.meta, trainable=False)
-        module.sparse_values, module.sparse_meta = values, meta  # tracked lists are append-only
+            s.values, s.meta = _stored(*_compress(s.name, _host_array(s.effective()), s.axis))
+        # New lists: tracked lists are append-only.
+        module.sparse_values = [s.values for s in sparse]
+        module.sparse_meta = [s.meta for s in sparse]
     module.dense_kernels = list(caches.values())
     module.serve = _keras_serve(model, specs, keys, serving, output_names, output_structure)
     kernel = {
@@ -1049,8 +1065,8 @@ def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, sto
             "n": n,
             "pattern": s.pattern,
             "kernel": kernel[id(s.variable)],
-            "values": md.tensor_record(f"{s.name}:values", s.values),
-            "meta": md.tensor_record(f"{s.name}:meta", s.meta),
+            "values": md.tensor_record(f"{s.name}:values", _host_array(s.values)),
+            "meta": md.tensor_record(f"{s.name}:meta", _host_array(s.meta)),
         })
     return {
         "schema": md.SCHEMA,
@@ -1069,7 +1085,7 @@ def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, sto
         },
         "sparse": entries,
         "dense": [
-            md.tensor_record(v.path, copy.numpy()) for v, copy in zip(dense_vars, stored)
+            md.tensor_record(v.path, _host_array(copy)) for v, copy in zip(dense_vars, stored)
         ],
     }
 
