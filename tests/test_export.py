@@ -27,17 +27,10 @@ import tf_sparse24
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
 from tf_sparse24 import portable
-from tf_sparse24.export import (
-    _always_2to4,
-    einsum_matmul,
-    export,
-    graph_ops,
-    load,
-    nonstock_ops,
-    signature_output_names,
-)
+from tf_sparse24.export import _always_2to4, einsum_matmul, export, graph_ops, load, nonstock_ops
 from tf_sparse24.metadata import ExportError
 from tf_sparse24.registry import eligible_weights
+from tf_sparse24.signature import signature_output_names
 from tf_sparse24.verify import _input_order, describe, verify
 from tf_sparse24.wrapper import Sparse24
 
@@ -1126,7 +1119,7 @@ def test_a_list_input_signature_binds_the_models_inputs_by_name(kind, tmp_path, 
     np.testing.assert_allclose(served, model(x), rtol=1e-5, atol=1e-6)
     assert verify(tmp_path / "1", against=model)["max_abs_diff"]["out"] < 1e-5
     # The binding by position this replaced: verify must see it.
-    monkeypatch.setattr(sys.modules["tf_sparse24.export"], "model_input_names", lambda m: None)
+    monkeypatch.setattr(sys.modules["tf_sparse24.signature"], "model_input_names", lambda m: None)
     export(model, tmp_path / "2", input_signature=signature)
     with pytest.raises(ExportError, match="output 'out' differs"):
         verify(tmp_path / "2", against=model)

@@ -69,7 +69,7 @@ def _input_spec(text: str):
             "expected NAME:DTYPE:SHAPE such as x:float32:None,16 (dimensions: sizes >= 0, or "
             f"None for any). Received: {text!r}"
         )
-    from tf_sparse24.export import SIGNATURE_NAME_RULE, is_signature_name  # noqa: PLC0415
+    from tf_sparse24.signature import SIGNATURE_NAME_RULE, is_signature_name  # noqa: PLC0415
 
     if not is_signature_name(name):
         raise argparse.ArgumentTypeError(
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import tf_sparse24  # noqa: F401, PLC0415  (registers the Sparse24 wrapper for load_model)
     from tf_sparse24 import metadata as md  # noqa: PLC0415
-    from tf_sparse24.export import check_replaceable, export  # noqa: PLC0415
+    from tf_sparse24.atomic_dir import check_replaceable  # noqa: PLC0415
+    from tf_sparse24.export import export  # noqa: PLC0415
     from tf_sparse24.verify import describe, verify  # noqa: PLC0415
 
     try:

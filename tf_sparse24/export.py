@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import keyword
 import math
 import os
 import re
@@ -50,15 +49,25 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import UninitializedVariable
 
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
 from tf_sparse24 import portable
+from tf_sparse24.atomic_dir import check_replaceable, write_atomically
 from tf_sparse24.layer_calls import calls_replaced
 from tf_sparse24.masks import parse_pattern
 from tf_sparse24.metadata import ExportError
 from tf_sparse24.wrapper import walk_layers
 from tf_sparse24.registry import eligible_weights, own_variables
+from tf_sparse24.signature import (
+    flat_outputs,
+    functional_view,
+    input_specs,
+    model_arguments,
+    signature_output_names,
+    unique_names,
+)
 from tf_sparse24.wrapper import Sparse24
 
 SIGNATURE = "serving_default"
@@ -67,7 +76,8 @@ ACCELERATED_OPS = frozenset({"Sparse24MatMul", "Sparse24Decompress"})
 
 @dataclasses.dataclass
 class _Sparse:
-    """One 2:4 weight of the model and its compressed form."""
+    """One 2:4 weight of the model and its compressed form, as the variables the SavedModel stores
+    (made from the compressed numpy arrays, which are then dropped: one copy while exporting)."""
 
     name: str  # unique label, the Keras variable path
     layer: keras.layers.Layer  # the (unwrapped) layer that owns the weight
@@ -75,8 +85,8 @@ class _Sparse:
     mask: keras.Variable | None  # the wrapper's mask (mapped to ones: the weight is already masked)
     axis: int
     pattern: str
-    values: np.ndarray
-    meta: np.ndarray
+    values: tf.Variable
+    meta: tf.Variable
     effective: Callable[[], Any]  # the value the forward uses, in the variable's dtype
 
     @property
@@ -166,27 +176,9 @@ def export(
 
         ops.load_library()
 
-    parent = os.path.dirname(export_dir)
-    created, missing = [], parent  # the parent directories this call makes, deepest first
-    while not os.path.exists(missing):
-        created.append(missing)
-        missing = os.path.dirname(missing)
-    os.makedirs(parent, exist_ok=True)
-    # A dot-name that is not a number: TF Serving ignores it while it is being written.
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.tmp-", dir=parent)
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a server user must read it
-        metadata = _write(model, tmp, mode, specs, keys, sparse, ops)
-        _move_into_place(tmp, export_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for directory in created:  # nothing of a failed export stays behind
-            try:
-                os.rmdir(directory)
-            except OSError:
-                break
-        raise
-    return metadata
+    return write_atomically(
+        export_dir, lambda tmp: _write(model, tmp, mode, specs, keys, sparse, ops)
+    )
 
 
 def load(export_dir: str | os.PathLike) -> Any:
@@ -361,7 +353,7 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
             for pw in layer.pruned_weights:
                 effective = functools.partial(layer.effective_weight, pw)
                 value = _as_computed(layer.layer, pw.variable, effective())
-                values, meta = _compress(pw.variable.path, value, pw.axis, pw.pattern)
+                values, meta = _stored(*_compress(pw.variable.path, value, pw.axis, pw.pattern))
                 found.append(_Sparse(pw.variable.path, layer.layer, pw.variable, pw.mask,
                                      pw.axis % value.ndim, pw.pattern, values, meta, effective))
         elif id(layer) not in wrapped and not isinstance(layer, keras.Model):
@@ -371,7 +363,7 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
                 claimed.add(id(variable))
                 value = _as_computed(layer, variable, variable.value)
                 try:
-                    values, meta = fmt.compress(fmt.to_2d(value, axis))
+                    values, meta = _stored(*fmt.compress(fmt.to_2d(value, axis)))
                 except ValueError:  # not 2:4 (a dense kernel): stored as is
                     _warn_if_drifted(variable.path, fmt.to_2d(value, axis))
                     continue
@@ -379,6 +371,21 @@ def _sparse_weights(model: keras.Model) -> list[_Sparse]:
                                      "2:4", values, meta, lambda v=variable: v.value))
     _dedupe_names(found)
     return found
+
+
+def _stored(values: np.ndarray, meta: np.ndarray) -> tuple[tf.Variable, tf.Variable]:
+    """The variables that store a compressed weight in the SavedModel."""
+    return tf.Variable(values, trainable=False), tf.Variable(meta, trainable=False)
+
+
+def _host_array(value) -> np.ndarray:
+    """A tensor's or variable's value as a read-only numpy array over TensorFlow's buffer (no copy
+    on CPU): `.numpy()` would copy every weight and stored tensor once more while exporting."""
+    value = tf.convert_to_tensor(value)
+    try:
+        return np.frombuffer(value, dtype=value.dtype.as_numpy_dtype).reshape(value.shape)
+    except (BufferError, TypeError, ValueError):  # no buffer protocol for it: a copy
+        return value.numpy()
 
 
 def _warn_if_drifted(name: str, w: np.ndarray, tiny: float = 1e-3) -> None:
@@ -422,7 +429,7 @@ def _as_computed(layer: keras.layers.Layer, variable: keras.Variable, value) -> 
         and getattr(owner, "autocast", True)  # Dense(autocast=False) multiplies it in float32
     ):
         value = tf.cast(value, dtype)  # as Keras' autocast does
-    return value.numpy()
+    return _host_array(value)
 
 
 def _dedupe_names(items: list) -> None:
@@ -431,209 +438,6 @@ def _dedupe_names(items: list) -> None:
 
 
 # --- Building and writing the SavedModel -----------------------------------------------------
-
-
-# A signature's input names become the arguments of a Python call: TensorFlow refuses two that
-# differ only in case ("x", "X") and Python keywords ("in", "class"), and binds "self" to the
-# function itself.
-INPUT_NAME_RULES = {"ignore_case": True, "reserved": ("self", *keyword.kwlist)}
-SIGNATURE_NAME_RULE = ("signature input names start with a letter ([A-Za-z][A-Za-z0-9_]*: "
-                       "TensorFlow renames '_x' to 'arg__x' and then refuses it) and are not "
-                       "Python keywords or 'self'")
-
-
-def is_signature_name(name: str) -> bool:
-    """Whether TensorFlow takes `name` as a serving signature's input (see SIGNATURE_NAME_RULE)."""
-    return bool(re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name)) and (
-        name not in INPUT_NAME_RULES["reserved"])
-
-
-def _check_signature_names(names: list[str]) -> None:
-    valid = all(is_signature_name(str(n)) for n in names)
-    if not valid or unique_names(names, **INPUT_NAME_RULES) != names:
-        raise ValueError(
-            f"input_signature: {SIGNATURE_NAME_RULE}, unique also ignoring case (TensorFlow "
-            f"makes them the serving function's arguments). Received: {names}"
-        )
-
-
-def _check_castable(model: keras.Model, specs: list[tf.TensorSpec]) -> list[tf.TensorSpec]:
-    """Refuses a spec whose dtype the model's input cannot be cast from (a string for a number):
-    the trace would pass, and every served call fail."""
-    try:
-        structure = model.input
-    except (AttributeError, ValueError):  # no symbolic inputs: nothing to compare with
-        return specs
-    if isinstance(structure, dict) and {s.name for s in specs} == set(structure):
-        pairs = [(s, structure[s.name]) for s in specs]  # a dict signature binds by name
-    else:
-        inputs = keras.tree.flatten(structure)
-        pairs = list(zip(specs, inputs)) if len(inputs) == len(specs) else []
-    for spec, t in pairs:
-        if (spec.dtype == tf.string) != (tf.as_dtype(t.dtype) == tf.string):
-            raise ValueError(
-                f"input_signature: input {spec.name!r} is {spec.dtype.name}, but model "
-                f"{model.name!r} takes {tf.as_dtype(t.dtype).name} there ({t.name!r}): one "
-                "cannot be cast to the other."
-            )
-    return specs
-
-
-def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
-    """The serving signature's named inputs, in the model's order: `input_signature` (a list of
-    named specs, one named spec, or `{name: spec}`), else the model's symbolic inputs (names
-    sanitised, unique)."""
-    if isinstance(input_signature, dict):
-        if not all(isinstance(s, tf.TensorSpec) for s in input_signature.values()):
-            raise ValueError(
-                f"a dict input_signature maps names to tf.TensorSpec. Received: {input_signature}"
-            )
-        _check_signature_names(list(input_signature))
-        return _check_castable(
-            model, [tf.TensorSpec(s.shape, s.dtype, name=k) for k, s in input_signature.items()]
-        )
-    if isinstance(input_signature, tf.TensorSpec):
-        input_signature = [input_signature]  # one input, as Keras' model.export takes it
-    if input_signature is not None:
-        specs = list(input_signature)
-        if not all(isinstance(s, tf.TensorSpec) and s.name for s in specs):
-            raise ValueError(
-                f"input_signature must be a list of named tf.TensorSpec. Received: {specs}"
-            )
-        names = [s.name for s in specs]
-        _check_signature_names(names)
-        own = model_input_names(model)
-        if (positional := positional_inputs(model)) and len(positional) != len(specs):
-            raise ValueError(
-                f"model {model.name!r} takes {len(positional)} positional inputs {positional}; "
-                f"input_signature has {len(specs)}: {names}"
-            )
-        if own is not None and sorted(own) == sorted(names):  # the model's names: bound by name
-            by_name = {s.name: s for s in specs}
-            return _check_castable(model, [by_name[name] for name in own])
-        return _check_castable(model, specs)
-    try:
-        inputs = keras.tree.flatten(model.input)
-    except (AttributeError, ValueError) as e:
-        raise ValueError(
-            f"model {model.name!r} has no symbolic inputs (a subclassed or unbuilt model): pass "
-            "input_signature=[tf.TensorSpec(shape, dtype, name=...), ...]"
-        ) from e
-    defaults = ["inputs"] if len(inputs) == 1 else [f"input_{i}" for i in range(len(inputs))]
-    own = [_identifier(t.name, d) for t, d in zip(inputs, defaults)]
-    # "_x" -> "x": TensorFlow renames a leading underscore, then finds the new name clashes. An
-    # input named "x" itself keeps "x" (stripped names are made unique last).
-    order = sorted(range(len(own)), key=lambda i: own[i].startswith("_"))
-    unique = unique_names([own[i].lstrip("_") or defaults[i] for i in order], **INPUT_NAME_RULES)
-    names = [name for _, name in sorted(zip(order, unique))]
-    return [tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=n) for t, n in zip(inputs, names)]
-
-
-def model_input_names(model: keras.Model) -> list[str] | None:
-    """The names of the model's inputs in the order it takes them (a dict's keys sorted, as
-    `model_arguments` packs them; a `call(self, a, b)`'s parameters), or None for a model without
-    symbolic inputs."""
-    try:
-        structure = model.input
-    except (AttributeError, ValueError):
-        return positional_inputs(model)
-    if isinstance(structure, dict):
-        return sorted(structure)
-    return [t.name for t in keras.tree.flatten(structure)]
-
-
-def positional_inputs(model: keras.Model) -> list[str] | None:
-    """The parameter names of a subclassed model's `call` when it takes its inputs as several
-    positional arguments (`call(self, image, text)`): the signature passes one input to each.
-    None for a model called with one input structure."""
-    if _is_functional(model):
-        return None
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    names = [
-        p.name for p in inspect.signature(model.call).parameters.values()
-        if p.kind in kinds and p.default is inspect.Parameter.empty
-        and p.name not in ("training", "mask")  # Keras' own call arguments, not inputs
-    ]  # fmt: skip
-    return names if len(names) > 1 else None
-
-
-def flat_outputs(outputs) -> tuple[list, list[str] | None]:
-    """The model's outputs as a flat list, and a key for each when they come in a dict: the
-    dict's keys in sorted order, `<key>_<i>` for the leaves of a list, tuple or dict under one."""
-    if not isinstance(outputs, dict):
-        return keras.tree.flatten(outputs), None
-    flat, keys = [], []
-    for key in sorted(outputs):
-        leaves = keras.tree.flatten(outputs[key])
-        flat += leaves
-        leaf = not keras.tree.is_nested(outputs[key])
-        keys += [str(key)] if leaf else [f"{key}_{i}" for i in range(len(leaves))]
-    return flat, keys
-
-
-def unique_names(names: list[str], *, ignore_case: bool = False, reserved=()) -> list[str]:
-    """`names` with a later repeat made unique by a `_<k>` suffix: two keys that map to the same
-    identifier ("a-b" and "a_b") must not share a signature key, or one tensor would be lost.
-    `ignore_case`: "x" and "X" count as the same; a `reserved` name (exactly as written: "self",
-    not "Self") is always suffixed."""
-    fold = str.lower if ignore_case else str
-    taken, out = {fold(n) for n in names}, []
-    seen: set[str] = set()
-    for name in names:
-        new, k = name, 1
-        while new in reserved or fold(new) in seen or (new != name and fold(new) in taken):
-            new, k = f"{name}_{k}", k + 1
-        seen.add(fold(new))
-        out.append(new)
-    return out
-
-
-def _identifier(name: str | None, default: str) -> str:
-    """A stable signature key: [A-Za-z0-9_] (TF Serving, saved_model_cli); Keras' automatic
-    `keras_tensor_<n>` / `input_layer_<n>` names depend on creation order, so they fall back to
-    `default`. Name your `keras.Input`s to choose the keys."""
-    name = re.sub(r"[^A-Za-z0-9_]", "_", name or "")
-    if not name or name[0].isdigit() or re.fullmatch(r"(keras_tensor|input_layer)(_\d+)?", name):
-        return default
-    return name
-
-
-def signature_output_names(model: keras.Model, outputs) -> list[str]:
-    """Signature keys of the model's flattened outputs: dict keys, else the output layer names.
-
-    A `Sparse24` wrapper's output is named after the wrapped layer, so pruning, stripping and
-    exporting keep the names of the original model.
-    """
-    flat, keys = flat_outputs(outputs)
-    if keys is not None:
-        return unique_names([_identifier(k, f"output_{i}") for i, k in enumerate(keys)])
-    names = list(getattr(model, "output_names", None) or [])
-    # operations: also the ops a Functional model ends in (keras.ops.softmax: "softmax_1").
-    layers = {op.name: op for op in getattr(model, "operations", None) or model.layers}
-    names = [_chosen_name(layers.get(n), n) for n in names]
-    if len(names) != len(flat):
-        names = [f"output_{i}" for i in range(len(flat))]
-    return unique_names([_identifier(n, f"output_{i}") for i, n in enumerate(names)])
-
-
-def _chosen_name(layer, name: str) -> str:
-    """The name of an output layer or op (the wrapped layer's, for a `Sparse24`), or "" for a name
-    Keras made up (`dense_3`: the snake-cased class name and a counter that depends on creation
-    order; a layer named so on purpose is taken for one)."""
-    if isinstance(layer, Sparse24):
-        layer, name = layer.layer, layer.layer.name
-    if layer is not None and re.fullmatch(
-        re.escape(_auto_name_prefix(type(layer).__name__)) + r"(_\d+)?", name
-    ):
-        return ""
-    return name
-
-
-def _auto_name_prefix(class_name: str) -> str:
-    """The name Keras gives a layer of this class by default, before its counter: the class name
-    in snake case ("EinsumDense" -> "einsum_dense", "Conv2D" -> "conv2d", "PReLU" -> "p_re_lu")."""
-    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", re.sub(r"\W+", "", class_name))
-    return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
 
 
 class _DenseKernel(tf.saved_model.experimental.TrackableResource):
@@ -657,7 +461,11 @@ class _DenseKernel(tf.saved_model.experimental.TrackableResource):
         self._values, self._meta, self._k, self._shape = values, meta, k, list(shape)
         self._dtype = tf.as_dtype(dtype)  # the Keras variable's (values may be stored narrower)
         self._decompress = decompress
-        self.variable = _unsaved(tf.Variable(tf.zeros(self._shape, self._dtype), trainable=False))
+        # Uninitialized (TensorFlow's class for variables restored later; private, pinned with
+        # TF 2.21): a zero-filled one would hold a dense kernel's bytes while exporting.
+        self.variable = _unsaved(
+            UninitializedVariable(shape=self._shape, dtype=self._dtype, trainable=False)
+        )
         self._unused_name = f"tf_sparse24_unused_{uuid.uuid4().hex}"
         super().__init__()
         self._track_trackable(self.variable, name="variable")
@@ -902,14 +710,15 @@ def _used_uncast_in_loop(loop: tf.Operation, tensor: tf.Tensor, dtype) -> bool:
 
 def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
     module = tf.Module()
-    module.sparse_values = [tf.Variable(s.values, trainable=False) for s in sparse]
-    module.sparse_meta = [tf.Variable(s.meta, trainable=False) for s in sparse]
+    module.sparse_values = [s.values for s in sparse]
+    module.sparse_meta = [s.meta for s in sparse]
     replaced = {id(s.variable) for s in sparse} | {id(s.mask) for s in sparse if s.mask is not None}
     dense_vars = []
     for variable in model.variables:
         if id(variable) not in replaced and all(variable is not v for v in dense_vars):
             dense_vars.append(variable)
-    module.dense = [tf.Variable(v.value, trainable=False) for v in dense_vars]  # one copy each
+    # Not a copy in memory: TensorFlow assigns the Keras variable's tensor, sharing its buffer.
+    module.dense = [tf.Variable(v.value, trainable=False) for v in dense_vars]
     # Lookup tables (StringLookup, IntegerLookup, TextVectorization): resources that are not
     # variables; the served function uses them, so the SavedModel must hold them (and their
     # vocabulary).
@@ -939,13 +748,12 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
         # Something besides the layer's call reads the dense kernel (a tied weight): such a
         # kernel is decompressed at load instead. Trace again without it.
         calls = {i: call for i, call in calls.items() if i not in read}
-        values, meta = list(module.sparse_values), list(module.sparse_meta)
         for i in wide:  # ... and one a float32 layer reads is stored with its float32 values
             s = sparse[i]
-            s.values, s.meta = _compress(s.name, keras.ops.convert_to_numpy(s.effective()), s.axis)
-            values[i] = tf.Variable(s.values, trainable=False)
-            meta[i] = tf.Variable(s.meta, trainable=False)
-        module.sparse_values, module.sparse_meta = values, meta  # tracked lists are append-only
+            s.values, s.meta = _stored(*_compress(s.name, _host_array(s.effective()), s.axis))
+        # New lists: tracked lists are append-only.
+        module.sparse_values = [s.values for s in sparse]
+        module.sparse_meta = [s.meta for s in sparse]
     module.dense_kernels = list(caches.values())
     module.serve = _keras_serve(model, specs, keys, serving, output_names, output_structure)
     kernel = {
@@ -980,39 +788,6 @@ def _table_resources(model: keras.Model) -> list:
     return list(found.values())
 
 
-def functional_view(model: keras.Model) -> keras.Model:
-    """A Sequential model as a Functional one over the same layers (named outputs, cloneable),
-    called as the Sequential model is: with one tensor, returning one."""
-    if isinstance(model, keras.Sequential) and _is_functional(model):
-        inputs, outputs = model.inputs, model.outputs
-        return keras.Model(inputs[0] if len(inputs) == 1 else inputs,
-                           outputs[0] if len(outputs) == 1 else outputs, name=model.name)
-    return model
-
-
-def _is_functional(model: keras.Model) -> bool:
-    try:
-        return bool(model.inputs) and bool(model.outputs)
-    except (AttributeError, ValueError):
-        return False
-
-
-def model_arguments(
-    model: keras.Model, inputs: list[tf.Tensor], keys: list[str] | None = None
-) -> tuple:
-    """The positional arguments to call the model with, from flat signature inputs: a dict by
-    `keys` (a dict input_signature), one per parameter of a `call(self, a, b)`, else
-    `model.input`'s structure, else the tensor or the list."""
-    if keys is not None:
-        return (dict(zip(keys, inputs)),)
-    if positional_inputs(model):
-        return tuple(inputs)
-    try:
-        return (keras.tree.pack_sequence_as(model.input, inputs),)
-    except (AttributeError, ValueError):
-        return (inputs[0] if len(inputs) == 1 else inputs,)
-
-
 def _probe_outputs(model: keras.Model, specs: list[tf.TensorSpec], keys: list[str] | None):
     """The model's output structure, from a symbolic call (no computation)."""
     try:
@@ -1044,8 +819,8 @@ def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, sto
             "n": n,
             "pattern": s.pattern,
             "kernel": kernel[id(s.variable)],
-            "values": md.tensor_record(f"{s.name}:values", s.values),
-            "meta": md.tensor_record(f"{s.name}:meta", s.meta),
+            "values": md.tensor_record(f"{s.name}:values", _host_array(s.values)),
+            "meta": md.tensor_record(f"{s.name}:meta", _host_array(s.meta)),
         })
     return {
         "schema": md.SCHEMA,
@@ -1064,57 +839,10 @@ def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, sto
         },
         "sparse": entries,
         "dense": [
-            md.tensor_record(v.path, copy.numpy()) for v, copy in zip(dense_vars, stored)
+            md.tensor_record(v.path, _host_array(copy)) for v, copy in zip(dense_vars, stored)
         ],
     }
 
 
 def _spec_record(spec) -> dict[str, Any]:
     return {"shape": spec.shape.as_list(), "dtype": spec.dtype.name}
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def check_replaceable(export_dir: str) -> None:
-    """Refuses a directory at `export_dir` that `overwrite=True` must not replace.
-
-    Replaced are a previous export (a SavedModel directory), an empty directory, a file or a
-    link. Anything else may be the user's own: a model directory holding its version directories
-    (`export(m, "models/m", overwrite=True)`, the version forgotten, deleted every version).
-    """
-    if not os.path.isdir(export_dir) or os.path.islink(export_dir):
-        return
-    entries = sorted(os.listdir(export_dir))
-    if not entries or {"saved_model.pb", "saved_model.pbtxt"} & set(entries):
-        return
-    versions = sorted(int(e) for e in entries
-                      if e.isdigit() and os.path.isdir(os.path.join(export_dir, e)))
-    hint = (f" It holds the version directories {versions}: export to "
-            f"{os.path.join(export_dir, str(versions[-1] + 1))}?" if versions else "")
-    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-    raise FileExistsError(
-        f"{export_dir} is not a SavedModel (it holds {shown}): overwrite=True replaces only a "
-        f"previous export, an empty directory or a file, never other data.{hint}"
-    )
-
-
-def _move_into_place(tmp: str, export_dir: str) -> None:
-    if not os.path.exists(export_dir):
-        os.rename(tmp, export_dir)
-        return
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.old-", dir=os.path.dirname(tmp))
-    os.rmdir(old)
-    os.rename(export_dir, old)
-    try:
-        os.rename(tmp, export_dir)
-    except BaseException:
-        os.rename(old, export_dir)  # put the previous export back
-        raise
-    if os.path.isdir(old) and not os.path.islink(old):
-        shutil.rmtree(old, ignore_errors=True)
-    else:  # overwrite=True replaced a file (or a link) at export_dir
-        os.remove(old)

@@ -83,7 +83,7 @@ def check_graph_checksum(export_dir: str | os.PathLike) -> bool:
 
 def sha256(array: np.ndarray) -> str:
     """Hex sha256 of an array's C-order bytes (the checksum stored for every tensor)."""
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(array)).hexdigest()  # the buffer: no copy
 
 
 def tensor_record(name: str, array: np.ndarray) -> dict[str, Any]:

@@ -18,21 +18,17 @@ import tensorflow as tf
 
 from tf_sparse24 import format as fmt
 from tf_sparse24 import metadata as md
-from tf_sparse24.export import (
-    ACCELERATED_OPS,
-    SIGNATURE,
+from tf_sparse24.export import ACCELERATED_OPS, SIGNATURE, graph_ops, load, nonstock_ops
+from tf_sparse24.metadata import ExportError
+from tf_sparse24.signature import (
     flat_outputs,
     functional_view,
     input_specs,
-    graph_ops,
-    load,
     model_arguments,
     model_input_names,
-    nonstock_ops,
     positional_inputs,
     signature_output_names,
 )
-from tf_sparse24.metadata import ExportError
 
 
 def verify(
