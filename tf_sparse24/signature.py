@@ -133,7 +133,7 @@ def positional_inputs(model: keras.Model) -> list[str] | None:
     """The parameter names of a subclassed model's `call` when it takes its inputs as several
     positional arguments (`call(self, image, text)`): the signature passes one input to each.
     None for a model called with one input structure."""
-    if _is_functional(model):
+    if _has_graph(model):
         return None
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = [
@@ -163,14 +163,16 @@ def model_arguments(
 def functional_view(model: keras.Model) -> keras.Model:
     """A Sequential model as a Functional one over the same layers (named outputs, cloneable),
     called as the Sequential model is: with one tensor, returning one."""
-    if isinstance(model, keras.Sequential) and _is_functional(model):
+    if isinstance(model, keras.Sequential) and _has_graph(model):
         inputs, outputs = model.inputs, model.outputs
         return keras.Model(inputs[0] if len(inputs) == 1 else inputs,
                            outputs[0] if len(outputs) == 1 else outputs, name=model.name)
     return model
 
 
-def _is_functional(model: keras.Model) -> bool:
+def _has_graph(model: keras.Model) -> bool:
+    """Whether `model` has symbolic inputs and outputs (Functional, or a built Sequential): not
+    `model_copy.is_functional`, which leaves Sequential models out."""
     try:
         return bool(model.inputs) and bool(model.outputs)
     except (AttributeError, ValueError):
