@@ -546,10 +546,17 @@ def test_permute_reports_each_convolution_it_leaves_alone_and_why(middle, cause)
     assert by_consumer[("head",)].permuted
 
 
-def test_permute_reports_a_bidirectional_layer_and_a_channels_first_convolution():
+@pytest.mark.parametrize("bidirectional", [
+    lambda: keras.layers.Bidirectional(keras.layers.RNN(keras.layers.GRUCell(4)), name="bi"),
+    lambda: keras.layers.Bidirectional(
+        keras.layers.GRU(4), name="bi",
+        backward_layer=keras.layers.RNN(keras.layers.GRUCell(4), go_backwards=True)),
+], ids=["rnn_cell", "gru_with_rnn_cell_backward"])
+def test_permute_reports_a_bidirectional_layer_and_a_channels_first_convolution(bidirectional):
+    # A Bidirectional reads reordered channels only when both its layers are GRU, LSTM or SimpleRNN.
     inputs = keras.Input((6, 8))
     x = keras.layers.Dense(8, name="d0")(inputs)
-    x = keras.layers.Bidirectional(keras.layers.GRU(4), name="bi")(x)
+    x = bidirectional()(x)
     model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
     _randomize(model, seed=3)
 
@@ -558,7 +565,8 @@ def test_permute_reports_a_bidirectional_layer_and_a_channels_first_convolution(
     _assert_same_function(model, permuted, _x(2, 6, 8))
     reasons = {r.consumers: r.reason for r in reports if not r.permuted}
     assert reasons[("bi",)] == ("'bi' (Bidirectional) is not permuted: recurrent layer (of these, "
-                                "only GRU, LSTM and SimpleRNN read reordered channels)")
+                                "only GRU, LSTM and SimpleRNN, alone or as both layers of a "
+                                "Bidirectional, read reordered channels)")
     assert "which cannot be permuted (recurrent layer (of these" in reasons[("head",)]
     assert not any(r.permuted for r in reports)
 
@@ -613,12 +621,96 @@ def test_permute_reorders_the_input_channels_of_recurrent_layers(recurrent, sequ
                                   model.get_layer("rnn").cell.recurrent_kernel.numpy())
 
 
-def test_permute_reorders_an_embedding_table_for_a_masked_gru():
-    # A text classifier: the Embedding table's columns and the GRU kernel's rows move together;
-    # the mask (from the token ids) does not change.
+@pytest.mark.parametrize("bidirectional", [
+    lambda: keras.layers.Bidirectional(keras.layers.GRU(12), name="bi"),
+    lambda: keras.layers.Bidirectional(keras.layers.GRU(12, reset_after=False), merge_mode="ave",
+                                       name="bi"),
+    lambda: keras.layers.Bidirectional(keras.layers.LSTM(12, return_sequences=True), name="bi"),
+    lambda: keras.layers.Bidirectional(keras.layers.LSTM(12), merge_mode="sum", name="bi"),
+    lambda: keras.layers.Bidirectional(keras.layers.LSTM(12, return_sequences=True),
+                                       merge_mode="mul", name="bi"),
+    lambda: keras.layers.Bidirectional(keras.layers.SimpleRNN(12, return_sequences=True),
+                                       name="bi"),
+    lambda: keras.layers.Bidirectional(  # a backward layer of its own, of another kind
+        keras.layers.LSTM(12), backward_layer=keras.layers.GRU(12, go_backwards=True), name="bi"),
+], ids=["gru", "gru_v1_ave", "lstm_sequences", "lstm_sum", "lstm_sequences_mul", "simple_rnn",
+        "lstm_with_gru_backward"])
+@pytest.mark.parametrize("producer", [
+    lambda: keras.layers.Dense(16, activation="relu", name="p"),
+    lambda: keras.layers.Conv1D(16, 3, padding="same", name="p"),
+], ids=["dense", "conv1d"])
+@pytest.mark.parametrize("sequential", [False, True], ids=["functional", "sequential"])
+def test_permute_reorders_the_input_channels_of_bidirectional_layers(
+        bidirectional, producer, sequential):
+    # Both the forward and the backward layer's cell kernels [in, gates * units] read the input's
+    # channels along axis 0: their rows are searched together and reordered with the producer's
+    # output channels; the output (the merged recurrent states) is not reordered.
+    layers = [producer(), bidirectional(), keras.layers.Dense(4, name="head")]
+    if sequential:
+        model = keras.Sequential([keras.Input((5, 8)), *layers])
+    else:
+        inputs = keras.Input((5, 8))
+        x = inputs
+        for layer in layers:
+            x = layer(x)
+        model = keras.Model(inputs, x)
+    _randomize(model, seed=7)
+    printed = []
+
+    permuted, reports = permute(model, kicks=2, progress=False, print_fn=printed.append)
+
+    _assert_same_function(model, permuted, _x(3, 5, 8, seed=11))
+    by_consumer = {r.consumers: r for r in reports}
+    space = by_consumer[("bi",)]
+    assert space.permuted and space.producers == ("p",) and space.channels == 16
+    assert any(line.startswith("p -> bi [16 ch]: kept |w| ") for line in printed)
+
+    def directions(m):
+        bi = m.get_layer("bi")
+        return bi.forward_layer.cell, bi.backward_layer.cell
+
+    rows = np.concatenate([cell.kernel.numpy().T for cell in directions(model)])
+    assert space.kept_before == pytest.approx(kept_magnitude(rows))
+    assert space.kept_after == pytest.approx(kept_magnitude(
+        np.concatenate([cell.kernel.numpy().T for cell in directions(permuted)])))
+    assert space.kept_after > space.kept_before
+    assert by_consumer[("head",)].reason == (
+        "its input channels come from 'bi' (Bidirectional), which cannot be permuted (recurrent "
+        "layer: only its input channels are reordered)")
+    for before, after in zip(directions(model), directions(permuted)):
+        np.testing.assert_array_equal(after.recurrent_kernel.numpy(),
+                                      before.recurrent_kernel.numpy())
+        assert not np.array_equal(after.kernel.numpy(), before.kernel.numpy())
+
+
+def test_permute_reorders_the_input_channels_of_a_bidirectional_layer_without_merge():
+    # merge_mode=None: the Bidirectional has two outputs (forward and backward states), each read
+    # by a head of its own; its input channels are reordered all the same.
+    inputs = keras.Input((5, 8))
+    x = keras.layers.Dense(16, name="p")(inputs)
+    forward, backward = keras.layers.Bidirectional(
+        keras.layers.LSTM(12, return_sequences=True), merge_mode=None, name="bi")(x)
+    model = keras.Model(inputs, [keras.layers.Dense(4, name="head_f")(forward),
+                                 keras.layers.Dense(4, name="head_b")(backward)])
+    _randomize(model, seed=9)
+
+    permuted, reports = permute(model, kicks=2, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 5, 8, seed=12))
+    space = next(r for r in reports if r.consumers == ("bi",))
+    assert space.permuted and space.producers == ("p",) and space.kept_after > space.kept_before
+
+
+@pytest.mark.parametrize("recurrent", [
+    lambda: keras.layers.GRU(8, name="gru"),
+    lambda: keras.layers.Bidirectional(keras.layers.GRU(8), name="gru"),
+], ids=["gru", "bidirectional_gru"])
+def test_permute_reorders_an_embedding_table_for_a_masked_gru(recurrent):
+    # A text classifier: the Embedding table's columns and the GRU kernel's rows (both
+    # directions' in a Bidirectional) move together; the mask (from the token ids) does not change.
     inputs = keras.Input((7,), dtype="int32")
     x = keras.layers.Embedding(50, 16, mask_zero=True, name="embed")(inputs)
-    x = keras.layers.GRU(8, name="gru")(x)
+    x = recurrent()(x)
     model = keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
     _randomize(model, seed=5)
 

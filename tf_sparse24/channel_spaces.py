@@ -2,9 +2,10 @@
 
 A channel space is a set of channels that producers write (Dense/ConvND, SeparableConv,
 EinsumDense, attention output projections, Embedding tables) and consumers read (their kernels'
-input axes; also GRU, LSTM and SimpleRNN), through layers that commute with a reordering of the
-channels: activations, normalizations, depthwise convolutions, elementwise merges (a residual add
-joins its branches) and concatenations (past which the space is a slice at an offset).
+input axes; also GRU, LSTM and SimpleRNN, alone or in a Bidirectional), through layers that
+commute with a reordering of the channels: activations, normalizations, depthwise convolutions,
+elementwise merges (a residual add joins its branches) and concatenations (past which the space
+is a slice at an offset).
 `channel_space` walks the graph from a layer's output and says why a space cannot be permuted;
 `read_axes` and `write_axes` name the weight axes along a layer's input and output channels;
 `unpermuted_cause` says why a layer with kernels is left alone. Layers no rule covers are tried
@@ -78,7 +79,8 @@ _SEPARABLE = {"SeparableConv1D", "SeparableConv2D"}
 
 _KERNEL_LAYERS = {"Dense", "Conv1D", "Conv2D", "Conv3D"}  # producers and consumers
 # Recurrent layers whose cell kernel `[in, gates * units]` reads the input's channels along axis 0,
-# as a Dense kernel does: consumers. Their output, a recurrent state, is not reordered.
+# as a Dense kernel does: consumers, also as both layers of a Bidirectional (`_bidirectional`).
+# Their output, a recurrent state, is not reordered.
 _RECURRENT = {"GRU", "LSTM", "SimpleRNN"}
 # Layers with kernels that permute() leaves alone, for the reasons `unpermuted_cause` gives.
 _TRANSPOSED = {"Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"}
@@ -236,7 +238,7 @@ def unpermuted_cause(layer) -> str:
     """Why permute() does not reorder the channels of `layer`, a Keras layer with kernels, in a few
     words for the reports ('' for any other layer): a grouped, transposed, channels-first or
     depth-multiplying convolution (SeparableConv: its input), or a recurrent layer (GRU, LSTM and
-    SimpleRNN: their output)."""
+    SimpleRNN, alone or in a Bidirectional: their output)."""
     kind = keras_kind(layer)
     convolutions = {*_KERNEL_LAYERS, *_TRANSPOSED, *_SEPARABLE, *DEPTHWISE} - {"Dense"}
     if kind in convolutions and getattr(layer, "data_format", None) == "channels_first":
@@ -249,11 +251,20 @@ def unpermuted_cause(layer) -> str:
         return f"depth_multiplier={layer.depth_multiplier} interleaves its output channels"
     if kind in _SEPARABLE and layer.depth_multiplier > 1:  # its pointwise kernel: a producer
         return f"depth_multiplier={layer.depth_multiplier}: only its output channels are reordered"
-    if kind in _RECURRENT:
+    if kind in _RECURRENT or _bidirectional(layer):
         return "recurrent layer: only its input channels are reordered"
     if kind in _OTHER_RECURRENT:
-        return "recurrent layer (of these, only GRU, LSTM and SimpleRNN read reordered channels)"
+        return ("recurrent layer (of these, only GRU, LSTM and SimpleRNN, alone or as both layers "
+                "of a Bidirectional, read reordered channels)")
     return ""
+
+
+def _bidirectional(layer) -> bool:
+    """Whether `layer` is a Keras Bidirectional whose forward and backward layers (the backward
+    one may be given apart: `backward_layer=`) are both GRU, LSTM or SimpleRNN: each reads the
+    input's channels along its cell kernel's axis 0."""
+    return keras_kind(layer) == "Bidirectional" and all(
+        keras_kind(rnn) in _RECURRENT for rnn in (layer.forward_layer, layer.backward_layer))
 
 
 def _constant_normalization(layer) -> bool:
@@ -310,7 +321,8 @@ def read_axes(layer) -> dict[str, list[WeightAxis]]:
     Dense/ConvND (channels_last, groups=1): kernel axis -2. SeparableConv (depth_multiplier 1): its
     pointwise kernel, and its depthwise filters (not grouped). EinsumDense: the kernel axis
     contracted with the input's last axis. GRU, LSTM, SimpleRNN: their cell's kernel axis 0 (of
-    `[in, gates * units]`). MultiHeadAttention and GroupQueryAttention: that axis of their query
+    `[in, gates * units]`); a Bidirectional of them: that of its forward and backward layers.
+    MultiHeadAttention and GroupQueryAttention: that axis of their query
     (and gate), key and value projections.
     """
     kind = keras_kind(layer) if _built_channels_last(layer) else ""
@@ -325,6 +337,9 @@ def read_axes(layer) -> dict[str, list[WeightAxis]]:
         return {"inputs": [axis]} if axis else {}
     if kind in _RECURRENT:
         return {"sequences": [WeightAxis(layer.cell.kernel, 0)]}
+    if kind and _bidirectional(layer):
+        return {"sequences": [WeightAxis(rnn.cell.kernel, 0)
+                              for rnn in (layer.forward_layer, layer.backward_layer)]}
     if kind in _ATTENTION:
         parts = attention_projections(layer)
         axes = {role: _einsum_reads(parts[role]) for role in ("query", "key", "value", "gate")
