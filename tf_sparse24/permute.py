@@ -107,8 +107,10 @@ def permute(
     For each channel space (a set of channels that "producers" write: Dense/ConvND, SeparableConv,
     EinsumDense, MultiHeadAttention and GroupQueryAttention (their output projection) and Embedding
     tables; and that "consumers" read: Dense/ConvND, SeparableConv (depth_multiplier 1),
-    EinsumDense, GRU, LSTM and SimpleRNN (their cell's kernel `[in, gates * units]` along `in`)
-    and those attention layers (their query, key and value projections, per call argument), through
+    EinsumDense, GRU, LSTM and SimpleRNN (their cell's kernel `[in, gates * units]` along `in`),
+    a Bidirectional whose forward and backward layers are both GRU, LSTM or SimpleRNN (both
+    cells' kernels, searched together) and those attention layers (their query, key and value
+    projections, per call argument), through
     activations, dropout, pooling, reshapes that keep the last axis, BatchNormalization,
     LayerNormalization, RMSNormalization, an adapted Normalization (its per-channel mean and
     variance are reordered and made current), depthwise convolutions with depth_multiplier 1
@@ -150,8 +152,9 @@ def permute(
     its own (and named in the reason of a space that stops there): each layer with kernels whose
     channels permute() leaves alone: a grouped (other than one group per channel), transposed or
     channels_first convolution, a DepthwiseConv with depth_multiplier > 1, the input of a
-    SeparableConv with depth_multiplier > 1, a recurrent layer other than GRU, LSTM and SimpleRNN
-    (Bidirectional, `RNN(cell)`, ConvLSTM); the output of any recurrent layer.
+    SeparableConv with depth_multiplier > 1, a recurrent layer other than GRU, LSTM and SimpleRNN,
+    alone or as both layers of a Bidirectional (`RNN(cell)`, ConvLSTM, a Bidirectional of either);
+    the output of any recurrent layer.
 
     Args:
         model: a built Functional or Sequential keras.Model.
