@@ -8,11 +8,12 @@ embedding and block are custom layers) (random weights: nothing is downloaded;
 32x32x3 inputs unless --size says otherwise, 10 classes; every 1-D weight (biases, BatchNorm and
 LayerNorm parameters and statistics, LayerScale) randomized so that a misaligned channel would show;
 float64 so that rounding does not hide one): the channel spaces permuted and skipped (with the most
-common skip reasons), how many of the model's Dense, Conv (groups=1), SeparableConv, EinsumDense and
-attention layers read a permuted space (their input channels reordered: what 2:4 groups; for
-attention, the query, key and value projections), how many attention layers had their value heads
-reordered, permute's wall time, and the largest |output difference| between the model and its
-permuted copy.
+common skip reasons), how many of the model's Dense, Conv (groups=1), SeparableConv, EinsumDense,
+attention and recurrent (GRU, LSTM, SimpleRNN, Bidirectional) layers read a permuted space (their
+input channels reordered: what 2:4 groups; for attention, the query, key and value projections;
+for a Bidirectional, both directions' cell kernels), how many attention layers had their value
+heads reordered, permute's wall time, and the largest |output difference| between the model and
+its permuted copy.
 
     .venv/bin/python bench/permute_coverage.py                        # ResNet50 MobileNetV2 EfficientNetB0
     .venv/bin/python bench/permute_coverage.py Xception --size 71     # Xception needs >= 71x71
@@ -32,8 +33,9 @@ import keras
 import numpy as np
 
 ATTENTION = ("MultiHeadAttention", "GroupedQueryAttention")
+RECURRENT = ("GRU", "LSTM", "SimpleRNN", "Bidirectional")
 CONSUMERS = ("Dense", "Conv1D", "Conv2D", "Conv3D", "SeparableConv1D", "SeparableConv2D",
-             "EinsumDense", *ATTENTION)
+             "EinsumDense", *ATTENTION, *RECURRENT)
 
 
 @keras.saving.register_keras_serializable(package="permute_coverage")
@@ -177,9 +179,12 @@ def main() -> None:
         permuted, reports = tf_sparse24.permute(model, seed=args.seed, progress=False)
         seconds = time.perf_counter() - start
         attention = [layer for layer in layers if type(layer).__name__ in ATTENTION]
-        projections = {id(sub) for layer in attention for sub in walk_layers(layer)}
+        # counted as their attention layer / Bidirectional: its projections / directions
+        holders = [layer for layer in layers
+                   if type(layer).__name__ in (*ATTENTION, "Bidirectional")]
+        projections = {id(sub) for layer in holders for sub in walk_layers(layer)}
         kernels = sum(type(layer).__name__ in CONSUMERS and getattr(layer, "groups", 1) == 1
-                      and id(layer) not in projections  # counted as their attention layer
+                      and id(layer) not in projections
                       for layer in layers)  # permute leaves grouped convs alone
         done = [r for r in reports if r.permuted]
         before = np.asarray(model(x, training=False))
