@@ -12,7 +12,9 @@ library for an accelerated export: the stock loader needs it too), loads the sma
 same loader (TensorFlow's one-time loading set-up, which does not grow with the weights), resets
 VmHWM to the current RSS (writing 5 to /proc/self/clear_refs, Linux only), loads the export and
 reports VmHWM's rise (the peak) and VmRSS's rise with the loaded object alive (resident). A
-portable export decompresses its kernels into dense variables while it loads, with either loader.
+portable export decompresses its kernels into dense variables while it loads, with either loader;
+glibc keeps part of that scratch in its heap, so those rows vary by about 50 MiB from run to run
+(MALLOC_MMAP_THRESHOLD_=1048576 in the environment makes them exact).
 Run:
 
     .venv/bin/python bench/load_memory.py [--width 4096] [--layers 8] [--vocab 100000]
