@@ -224,7 +224,7 @@ def load(export_dir: str | os.PathLike) -> Any:
         )
     stored = _stored_tensors(loaded, metadata)
     for record, variable in stored:
-        value = variable.numpy()
+        value = _host_array(variable)  # a view of the variable's buffer: no copy on CPU
         if list(value.shape) != record["shape"] or value.dtype.name != record["dtype"]:
             raise ExportError(
                 f"tensor {record['name']!r}: stored {value.dtype.name}{list(value.shape)}, "
@@ -380,7 +380,8 @@ def _stored(values: np.ndarray, meta: np.ndarray) -> tuple[tf.Variable, tf.Varia
 
 def _host_array(value) -> np.ndarray:
     """A tensor's or variable's value as a read-only numpy array over TensorFlow's buffer (no copy
-    on CPU): `.numpy()` would copy every weight and stored tensor once more while exporting."""
+    on CPU): `.numpy()` would copy every weight and stored tensor once more while exporting, and
+    every stored tensor while `load` checks its checksum."""
     value = tf.convert_to_tensor(value)
     try:
         return np.frombuffer(value, dtype=value.dtype.as_numpy_dtype).reshape(value.shape)

@@ -56,7 +56,10 @@ def decompress(values: tf.Tensor, meta: tf.Tensor, k: int) -> tf.Tensor:
     second = tf.bitwise.right_shift(nibbles, 2)[..., None]
     slots = tf.range(M, dtype=tf.int32)  # [4]
     kept = tf.reshape(values, [n, groups, 2])
-    zeros = tf.zeros_like(kept[..., :1])
+    # A scalar, broadcast by `where` (SelectV2). Not `zeros_like(kept[..., :1])`: with static
+    # shapes Grappler folds that into an [N, G, 1] constant (a quarter of the dense kernel's bytes)
+    # kept in the optimized load-time function, in memory for as long as the loaded model.
+    zeros = tf.zeros([], values.dtype)
     dense = tf.where(
         tf.equal(first, slots),
         kept[..., :1],
