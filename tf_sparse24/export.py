@@ -224,7 +224,7 @@ def load(export_dir: str | os.PathLike) -> Any:
         )
     stored = _stored_tensors(loaded, metadata)
     for record, variable in stored:
-        value = _host_array(variable)  # a view of the variable's buffer: no copy on CPU
+        value = host_array(variable)  # a view of the variable's buffer: no copy on CPU
         if list(value.shape) != record["shape"] or value.dtype.name != record["dtype"]:
             raise ExportError(
                 f"tensor {record['name']!r}: stored {value.dtype.name}{list(value.shape)}, "
@@ -378,7 +378,7 @@ def _stored(values: np.ndarray, meta: np.ndarray) -> tuple[tf.Variable, tf.Varia
     return tf.Variable(values, trainable=False), tf.Variable(meta, trainable=False)
 
 
-def _host_array(value) -> np.ndarray:
+def host_array(value) -> np.ndarray:
     """A tensor's or variable's value as a read-only numpy array over TensorFlow's buffer (no copy
     on CPU): `.numpy()` would copy every weight and stored tensor once more while exporting, and
     every stored tensor while `load` checks its checksum."""
@@ -430,7 +430,7 @@ def _as_computed(layer: keras.layers.Layer, variable: keras.Variable, value) -> 
         and getattr(owner, "autocast", True)  # Dense(autocast=False) multiplies it in float32
     ):
         value = tf.cast(value, dtype)  # as Keras' autocast does
-    return _host_array(value)
+    return host_array(value)
 
 
 def _dedupe_names(items: list) -> None:
@@ -751,7 +751,7 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
         calls = {i: call for i, call in calls.items() if i not in read}
         for i in wide:  # ... and one a float32 layer reads is stored with its float32 values
             s = sparse[i]
-            s.values, s.meta = _stored(*_compress(s.name, _host_array(s.effective()), s.axis))
+            s.values, s.meta = _stored(*_compress(s.name, host_array(s.effective()), s.axis))
         # New lists: tracked lists are append-only.
         module.sparse_values = [s.values for s in sparse]
         module.sparse_meta = [s.meta for s in sparse]
@@ -820,8 +820,8 @@ def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, sto
             "n": n,
             "pattern": s.pattern,
             "kernel": kernel[id(s.variable)],
-            "values": md.tensor_record(f"{s.name}:values", _host_array(s.values)),
-            "meta": md.tensor_record(f"{s.name}:meta", _host_array(s.meta)),
+            "values": md.tensor_record(f"{s.name}:values", host_array(s.values)),
+            "meta": md.tensor_record(f"{s.name}:meta", host_array(s.meta)),
         })
     return {
         "schema": md.SCHEMA,
@@ -840,7 +840,7 @@ def _metadata(model, mode, specs, keys, serving, sparse, kernel, dense_vars, sto
         },
         "sparse": entries,
         "dense": [
-            md.tensor_record(v.path, _host_array(copy)) for v, copy in zip(dense_vars, stored)
+            md.tensor_record(v.path, host_array(copy)) for v, copy in zip(dense_vars, stored)
         ],
     }
 

@@ -21,8 +21,8 @@ from tf_sparse24 import metadata as md
 from tf_sparse24.export import (
     ACCELERATED_OPS,
     SIGNATURE,
-    _host_array,
     graph_ops,
+    host_array,
     load,
     nonstock_ops,
 )
@@ -67,7 +67,7 @@ def verify(
     metadata = loaded.sparse24_metadata
     for entry, meta in zip(metadata["sparse"], loaded.sparse_meta):
         try:
-            fmt.check_meta(_host_array(meta), entry["k"])  # a view: no copy
+            fmt.check_meta(host_array(meta), entry["k"])  # a view: no copy
         except ValueError as e:
             raise ExportError(f"weight {entry['name']!r}: {e}") from e
     extra = nonstock_ops(graph_ops(export_dir))
