@@ -579,6 +579,17 @@ def test_permute_reports_a_bidirectional_layer_and_a_channels_first_convolution(
     assert reasons[("first",)] == "'first' (Conv1D) is not permuted: data_format='channels_first'"
 
 
+def _stacked(layers: list, input_shape: tuple, sequential: bool) -> keras.Model:
+    """`layers` applied one after the other, as a Sequential or a Functional model."""
+    if sequential:
+        return keras.Sequential([keras.Input(input_shape), *layers])
+    inputs = keras.Input(input_shape)
+    x = inputs
+    for layer in layers:
+        x = layer(x)
+    return keras.Model(inputs, x)
+
+
 @pytest.mark.parametrize("recurrent", [
     lambda: keras.layers.GRU(12, name="rnn"),
     lambda: keras.layers.GRU(12, reset_after=False, return_sequences=True, name="rnn"),
@@ -592,14 +603,7 @@ def test_permute_reorders_the_input_channels_of_recurrent_layers(recurrent, sequ
     # recurrent state) is not.
     layers = [keras.layers.Dense(16, activation="relu", name="d0"), recurrent(),
               keras.layers.Dense(4, name="head")]
-    if sequential:
-        model = keras.Sequential([keras.Input((5, 8)), *layers])
-    else:
-        inputs = keras.Input((5, 8))
-        x = inputs
-        for layer in layers:
-            x = layer(x)
-        model = keras.Model(inputs, x)
+    model = _stacked(layers, (5, 8), sequential)
     _randomize(model, seed=7)
 
     permuted, reports = permute(model, kicks=2, progress=False)
@@ -646,14 +650,7 @@ def test_permute_reorders_the_input_channels_of_bidirectional_layers(
     # channels along axis 0: their rows are searched together and reordered with the producer's
     # output channels; the output (the merged recurrent states) is not reordered.
     layers = [producer(), bidirectional(), keras.layers.Dense(4, name="head")]
-    if sequential:
-        model = keras.Sequential([keras.Input((5, 8)), *layers])
-    else:
-        inputs = keras.Input((5, 8))
-        x = inputs
-        for layer in layers:
-            x = layer(x)
-        model = keras.Model(inputs, x)
+    model = _stacked(layers, (5, 8), sequential)
     _randomize(model, seed=7)
     printed = []
 
