@@ -68,14 +68,34 @@ def write(kind: str, pruned: keras.Model, export_dir: str) -> None:
         tf_sparse24.export(pruned, export_dir, mode=kind)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sizes of the two models (this script's and bench/load_memory.py's)."""
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=100000)
+
+
+def reset_peak_rss() -> None:
+    """Collects garbage, then sets VmHWM to the current RSS (Linux only): the next peak read is
+    what the process reaches from here on."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def run_child(script: str, *argv: str) -> list[int]:
+    """Runs `script --_child *argv` in a fresh interpreter; the integers on its last output line."""
+    out = subprocess.run([sys.executable, script, "--_child", *argv],
+                         check=True, capture_output=True, text=True).stdout
+    return [int(word) for word in out.splitlines()[-1].split()]
+
+
 def child(name: str, kind: str, args: argparse.Namespace) -> None:
     """Subprocess body: prints `weight_bytes peak_growth_kib` for one export."""
     root = tempfile.mkdtemp(prefix="sparse24-export-memory-")
     write(kind, build(name, args, scale=64)[0], os.path.join(root, "warm-up", "1"))
     pruned, weight_bytes = build(name, args)
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    reset_peak_rss()
     start = status_kib("VmHWM")
     write(kind, pruned, os.path.join(root, "measured", "1"))
     print(weight_bytes, status_kib("VmHWM") - start)
@@ -83,9 +103,7 @@ def child(name: str, kind: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=100000)
+    add_model_arguments(parser)
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
@@ -98,11 +116,8 @@ def main() -> None:
           f"{'x weights':>10s}")
     for name in ("mlp", "embedding"):
         for kind in KINDS:
-            out = subprocess.run(
-                [sys.executable, __file__, "--_child", name, kind, *flags],
-                check=True, capture_output=True, text=True,
-            ).stdout.split()  # fmt: skip
-            weights, rise = int(out[-2]) / 2**20, int(out[-1]) / 1024
+            weight_bytes, rise_kib = run_child(__file__, name, kind, *flags)
+            weights, rise = weight_bytes / 2**20, rise_kib / 1024
             print(f"{name:10s} {weights:11.1f} {kind:>12s} {rise:14.1f} {rise / weights:9.2f}x")
 
 

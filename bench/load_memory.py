@@ -26,24 +26,25 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import subprocess
 import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tensorflow as tf  # noqa: E402
+
+import tf_sparse24  # noqa: E402
+from tf_sparse24 import ops  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from end_to_end import status_kib  # noqa: E402  (bench/end_to_end.py)
+from export_memory import add_model_arguments, build, reset_peak_rss, run_child  # noqa: E402
 
 MODES = ("portable", "accelerated")
 LOADERS = ("stock", "tf_sparse24")
 
 
 def load(loader: str, export_dir: str):
-    import tensorflow as tf  # noqa: PLC0415
-
-    import tf_sparse24  # noqa: PLC0415
-
     if loader == "stock":
         return tf.saved_model.load(export_dir)
     return tf_sparse24.load(export_dir)
@@ -51,16 +52,10 @@ def load(loader: str, export_dir: str):
 
 def child(loader: str, mode: str, export_dir: str, warm_up_dir: str) -> None:
     """Subprocess body: prints `peak_rise_kib resident_rise_kib` for one load."""
-    import tf_sparse24  # noqa: F401, PLC0415
-
     if mode == "accelerated":
-        from tf_sparse24 import ops  # noqa: PLC0415
-
         ops.load_library()
     load(loader, warm_up_dir)
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    reset_peak_rss()
     start_peak, start_rss = status_kib("VmHWM"), status_kib("VmRSS")
     loaded = load(loader, export_dir)
     gc.collect()
@@ -70,10 +65,6 @@ def child(loader: str, mode: str, export_dir: str, warm_up_dir: str) -> None:
 
 def write_exports(root: str, args: argparse.Namespace) -> dict[str, int]:
     """Writes the missing exports under `root`; returns each model's weight bytes."""
-    from export_memory import build  # noqa: PLC0415  (bench/export_memory.py)
-
-    import tf_sparse24  # noqa: PLC0415
-
     weights = {}
     for name in ("mlp", "embedding"):
         for scale, part in ((64, "warm-up"), (1, "measured")):
@@ -91,9 +82,7 @@ def write_exports(root: str, args: argparse.Namespace) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=100000)
+    add_model_arguments(parser)
     parser.add_argument("--exports", help="directory to write the exports to (or reuse them from)")
     parser.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -110,13 +99,10 @@ def main() -> None:
     for name in ("mlp", "embedding"):
         for mode in MODES:
             for loader in LOADERS:
-                out = subprocess.run(
-                    [sys.executable, __file__, "--_child", loader, mode,
-                     os.path.join(root, name, mode, "measured", "1"),
-                     os.path.join(root, name, mode, "warm-up", "1")],
-                    check=True, capture_output=True, text=True,
-                ).stdout.split()  # fmt: skip
-                peak, resident = int(out[-2]) / 1024, int(out[-1]) / 1024
+                peak_kib, resident_kib = run_child(
+                    __file__, loader, mode, os.path.join(root, name, mode, "measured", "1"),
+                    os.path.join(root, name, mode, "warm-up", "1"))
+                peak, resident = peak_kib / 1024, resident_kib / 1024
                 mib = weights[name] / 2**20
                 print(f"{name:10s} {mib:11.1f} {mode:>12s} {loader:>12s} {peak:14.1f} "
                       f"{resident:13.1f} {peak / mib:14.2f}x")
