@@ -58,7 +58,6 @@ from tf_sparse24.atomic_dir import check_replaceable, write_atomically
 from tf_sparse24.layer_calls import calls_replaced
 from tf_sparse24.masks import parse_pattern
 from tf_sparse24.metadata import ExportError
-from tf_sparse24.wrapper import walk_layers
 from tf_sparse24.registry import eligible_weights, own_variables
 from tf_sparse24.signature import (
     flat_outputs,
@@ -68,7 +67,7 @@ from tf_sparse24.signature import (
     signature_output_names,
     unique_names,
 )
-from tf_sparse24.wrapper import Sparse24
+from tf_sparse24.wrapper import Sparse24, walk_layers
 
 SIGNATURE = "serving_default"
 ACCELERATED_OPS = frozenset({"Sparse24MatMul", "Sparse24Decompress"})
