@@ -698,6 +698,41 @@ def test_permute_reorders_the_input_channels_of_a_bidirectional_layer_without_me
     assert space.permuted and space.producers == ("p",) and space.kept_after > space.kept_before
 
 
+@pytest.mark.parametrize("encoder", [
+    lambda: keras.layers.LSTM(12, return_state=True, name="enc"),
+    lambda: keras.layers.Bidirectional(keras.layers.LSTM(6, return_state=True), name="enc"),
+], ids=["lstm", "bidirectional_lstm"])
+def test_permute_reorders_an_encoder_decoder_whose_states_pass_between_recurrent_layers(encoder):
+    # A seq2seq model: the encoder returns its states (return_state=True) and they start the
+    # decoder (initial_state=). Only the sequences' channels are reordered: each recurrent layer's
+    # input rows with its producer; the states and what reads them keep their order.
+    source, target = keras.Input((5, 8), name="source"), keras.Input((4, 8), name="target")
+    encoded = encoder()(keras.layers.Dense(16, name="p_enc")(source))
+    states = encoded[1:]
+    if len(states) == 4:  # a Bidirectional's forward (h, c) and backward (h, c), concatenated
+        states = [keras.layers.Concatenate(name=f"state_{i}")([states[i], states[i + 2]])
+                  for i in range(2)]
+    decoded = keras.layers.LSTM(12, return_sequences=True, name="dec")(
+        keras.layers.Dense(16, name="p_dec")(target), initial_state=states)
+    heads = [keras.layers.Dense(4, name="head")(decoded),
+             keras.layers.Dense(3, name="state_head")(states[0])]
+    model = keras.Model([source, target], heads)
+    _randomize(model, seed=13)
+
+    permuted, reports = permute(model, kicks=2, progress=False)
+
+    _assert_same_function(model, permuted, [_x(3, 5, 8, seed=14), _x(3, 4, 8, seed=15)])
+    by_consumer = {r.consumers: r for r in reports}
+    for consumer, producer in (("enc", "p_enc"), ("dec", "p_dec")):
+        space = by_consumer[(consumer,)]
+        assert space.permuted and space.producers == (producer,)
+        assert space.kept_after > space.kept_before
+    assert not by_consumer[("state_head",)].permuted
+    decoder_before, decoder_after = model.get_layer("dec").cell, permuted.get_layer("dec").cell
+    np.testing.assert_array_equal(decoder_after.recurrent_kernel.numpy(),
+                                  decoder_before.recurrent_kernel.numpy())
+
+
 @pytest.mark.parametrize("recurrent", [
     lambda: keras.layers.GRU(8, name="gru"),
     lambda: keras.layers.Bidirectional(keras.layers.GRU(8), name="gru"),
