@@ -679,6 +679,24 @@ def test_accelerated_decompresses_other_kernels_at_load(tmp_path):
     np.testing.assert_allclose(out["output_0"].numpy(), model(x).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_xla_compiles_a_portable_export_and_refuses_an_accelerated_one(tmp_path):
+    # docs/EXPORT.md: the Sparse24 ops have no XLA lowering, so only the portable export (stock
+    # ops) runs under jit_compile=True; the accelerated one fails naming the op.
+    model = tiny_model()
+    x = tf.constant(np.random.default_rng(5).standard_normal((3, 8)).astype(np.float32))
+    expected = keras.ops.convert_to_numpy(model(x))
+    for mode in ("portable", "accelerated"):
+        export(model, tmp_path / mode / "1", mode=mode)
+    loaded = {mode: load(tmp_path / mode / "1") for mode in ("portable", "accelerated")}
+    portable, accelerated = (loaded[mode].signatures["serving_default"] for mode in loaded)
+
+    out = tf.function(lambda x: portable(features=x), jit_compile=True)(x)
+
+    np.testing.assert_allclose(out["scores"].numpy(), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Sparse24MatMul.*XLA"):
+        tf.function(lambda x: accelerated(features=x), jit_compile=True)(x)
+
+
 RELOAD_SCRIPT = """
 import gc, json, sys
 import numpy as np, tensorflow as tf
