@@ -1,4 +1,4 @@
-"""Tests of the command line `python -m tf_sparse24 export | inspect | verify`."""
+"""Tests of the command line `python -m tf_sparse24 prune | export | inspect | verify`."""
 
 from __future__ import annotations
 
@@ -46,6 +46,77 @@ def _cli(cwd, *args: str) -> subprocess.CompletedProcess:
     """`python -m tf_sparse24 *args` in `cwd`, in a fresh process."""
     return subprocess.run([sys.executable, "-m", "tf_sparse24", *args], cwd=cwd, env=ENV,
                           capture_output=True, text=True, timeout=400, check=False)
+
+
+def _dense_mlp(path) -> keras.Model:
+    """A trained-looking 16 -> 32 -> 8 MLP (random weights and biases), saved as `path`."""
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([
+        keras.Input((16,), name="features"),
+        keras.layers.Dense(32, activation="relu", name="hidden"),
+        keras.layers.Dense(8, name="scores"),
+    ])  # fmt: skip
+    rng = np.random.default_rng(4)
+    model.set_weights([rng.standard_normal(w.shape).astype("float32") for w in model.weights])
+    model.save(path)
+    return model
+
+
+def _magnitude_24(w: np.ndarray) -> np.ndarray:
+    """`w [K, N]` keeping the 2 largest |w| of each 4 consecutive rows (numpy reference)."""
+    groups = w.reshape(w.shape[0] // 4, 4, -1)
+    ranks = np.argsort(np.argsort(-np.abs(groups), axis=1), axis=1)
+    return np.where(ranks < 2, groups, 0.0).reshape(w.shape)
+
+
+def test_prune_command_saves_the_pruned_model_and_prints_its_report(tmp_path, capsys):
+    model = _dense_mlp(tmp_path / "dense.keras")
+    (w1, b1), (w2, b2) = (layer.get_weights() for layer in model.layers)
+    out = str(tmp_path / "pruned.keras")
+
+    assert main(["prune", str(tmp_path / "dense.keras"), out, "--skip", "scores"]) == 0
+
+    stdout = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[2] for line in stdout.splitlines()[2:4]}
+    assert rows == {"sparse24_hidden": "pruned", "scores": "not"}  # "not pruned"
+    assert f"saved 1 pruned layers to {out}" in stdout
+    pruned = keras.saving.load_model(out)
+    assert [type(layer).__name__ for layer in pruned.layers] == ["Sparse24", "Dense"]
+    x = np.random.default_rng(5).standard_normal((6, 16))
+    expected = np.maximum(x @ _magnitude_24(w1.astype(np.float64)) + b1, 0.0) @ w2 + b2
+    np.testing.assert_allclose(pruned(x.astype(np.float32)).numpy(), expected,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    assert not any(name.startswith(".") for name in os.listdir(tmp_path))  # no partial file left
+
+
+def test_prune_command_permutes_first_when_asked(tmp_path, capsys):
+    model = _dense_mlp(tmp_path / "dense.keras")
+    out = str(tmp_path / "pruned.keras")
+
+    assert main(["prune", str(tmp_path / "dense.keras"), out, "--permute"]) == 0
+
+    assert re.search(r"^hidden -> scores \[32 ch\]: kept \|w\| ", capsys.readouterr().out, re.M)
+    permuted, _ = tf_sparse24.permute(model, progress=False)
+    expected = tf_sparse24.prune(permuted)
+    x = np.random.default_rng(6).standard_normal((6, 16)).astype(np.float32)
+    np.testing.assert_allclose(keras.saving.load_model(out)(x).numpy(), expected(x).numpy(),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert tf_sparse24.prune(model)(x).numpy() != pytest.approx(expected(x).numpy())
+
+
+def test_prune_command_errors_leave_the_output_alone(tmp_path, capsys):
+    _dense_mlp(tmp_path / "dense.keras")
+    dense, out = str(tmp_path / "dense.keras"), tmp_path / "pruned.keras"
+    out.write_bytes(b"previous")
+
+    assert main(["prune", dense, str(out)]) == 1
+    assert "pass --overwrite to replace it" in capsys.readouterr().err
+    assert main(["prune", dense, str(out), "--overwrite", "--skip", "nope"]) == 1
+    assert "no layer named ['nope']" in capsys.readouterr().err
+    assert main(["prune", dense, str(tmp_path / "pruned.h5")]) == 1
+    assert "the output must be a .keras file" in capsys.readouterr().err
+    assert out.read_bytes() == b"previous"
+    assert sorted(os.listdir(tmp_path)) == ["dense.keras", "pruned.keras"]
 
 
 def test_export_command_writes_a_loadable_export(exported):

@@ -1,5 +1,8 @@
-"""Command line: export a `.keras` model, inspect or verify an export.
+"""Command line: prune or export a `.keras` model, inspect or verify an export.
 
+    python -m tf_sparse24 prune MODEL.keras PRUNED.keras [--pattern N:M] [--permute]
+                                [--layers NAME]... [--skip NAME]... [--overwrite]
+                                [--import MODULE]...
     python -m tf_sparse24 export MODEL.keras models/name/1 [--mode portable|accelerated]
                                  [--overwrite] [--input NAME:DTYPE:SHAPE]... [--dict-inputs]
                                  [--import MODULE]...
@@ -22,6 +25,19 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tf_sparse24", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prune", help="one-shot prune a trained .keras model and print its report")
+    p.add_argument("model", help="the trained .keras file")
+    p.add_argument("output", help="the pruned .keras file to write, ready to fine-tune")
+    p.add_argument("--pattern", default=None, help='"N:M", keep N of every M (default 2:4)')
+    p.add_argument("--permute", action="store_true",
+                   help="reorder channels first so the masks keep more magnitude (Functional "
+                   "and Sequential models)")
+    p.add_argument("--layers", action="append", metavar="NAME",
+                   help="prune only this layer (repeat for several)")
+    p.add_argument("--skip", action="append", metavar="NAME",
+                   help="never prune this layer (repeat for several)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    _add_import(p)
     p = sub.add_parser("export", help="export a pruned .keras model as a compressed SavedModel")
     p.add_argument("model", help="the .keras file (pruned or stripped)")
     p.add_argument("export_dir", help="the version directory to write, e.g. models/name/1")
@@ -103,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.insert(0, os.getcwd())  # as `python -m` has it; the console script does not
         for module in modules:
             importlib.import_module(module)
-        if args.command == "export":
+        if args.command == "prune":
+            _prune(args)
+        elif args.command == "export":
             if os.path.exists(args.export_dir) and not args.overwrite:  # before loading the model
                 raise FileExistsError(f"{args.export_dir} exists; pass --overwrite to replace it")
             check_replaceable(os.path.abspath(args.export_dir))
@@ -128,6 +146,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tf_sparse24 {args.command}: error: {kind}{text}{_hint(args, e)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _prune(args: argparse.Namespace) -> None:
+    """`prune`: loads the model, optionally permutes it, prunes it, prints the report and saves
+    the pruned model atomically (written beside the output, then renamed over it)."""
+    import keras  # noqa: PLC0415
+
+    import tf_sparse24  # noqa: PLC0415
+
+    if not args.output.endswith(".keras"):
+        raise ValueError(f"the output must be a .keras file. Received: {args.output!r}")
+    if os.path.exists(args.output) and not args.overwrite:  # before loading the model
+        raise FileExistsError(f"{args.output} exists; pass --overwrite to replace it")
+    model = keras.saving.load_model(args.model, compile=False)
+    if args.permute:
+        model, _ = tf_sparse24.permute(model, progress=False, print_fn=print)
+    pruned = tf_sparse24.prune(model, args.pattern, layers=args.layers, skip=args.skip)
+    tf_sparse24.report(pruned)
+    directory, name = os.path.split(os.path.abspath(args.output))
+    partial = os.path.join(directory, f".{name}.{os.getpid()}.partial.keras")
+    try:
+        pruned.save(partial)
+        os.replace(partial, args.output)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    print(f"saved {len(tf_sparse24.pruned_layers(pruned))} pruned layers to {args.output}: "
+          "fine-tune it with Sparse24Callback, then export it")
 
 
 def _hint(args: argparse.Namespace, error: Exception) -> str:
