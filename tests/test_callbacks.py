@@ -532,3 +532,89 @@ def test_masks_due_at_the_step_after_the_last_are_left_to_the_next_fit():
               callbacks=[ts.Sparse24Callback(start_step=8)])  # 8 steps: 0..7
     assert all(m.min() == 1.0 for m in masks(model))  # still the dense warm-up
     assert not all(np.array_equal(a, b) for a, b in zip(masks(model), before))
+
+
+def test_a_schedule_leaves_the_masks_of_frozen_layers_alone():
+    """A frozen layer's weights never change, so the warm-up must not run it dense; the trainable
+    layers follow the schedule (ones before start_step, computed at it)."""
+    model = pruned_mlp()
+    frozen = model.layers[1]
+    frozen.trainable = False
+    weights = [v.numpy().copy() for v in frozen.weights]
+    compile_(model, keras.optimizers.Adam(0.05))
+    recorder = Recorder()
+    model.fit(X, Y, batch_size=16, epochs=2, verbose=0,
+              callbacks=[ts.Sparse24Callback(start_step=3, update_every=2),
+                         recorder])
+    want = reference_mask(weights[0], 2, 4, 0)  # prune()'s magnitude mask of the frozen kernel
+    for step, _, (first, middle, last) in recorder.snapshots:
+        np.testing.assert_array_equal(middle.astype(bool), want)
+        assert (first.min() == 1.0) == (step < 3), step
+    for old, new in zip(weights, frozen.weights):
+        np.testing.assert_array_equal(old, new.numpy())
+
+
+def test_a_frozen_base_inside_a_transfer_learning_model_keeps_its_masks():
+    base = pruned_mlp()
+    base.trainable = False
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(base(inputs, training=False)))
+    before = [v.numpy().copy() for v in base.weights]
+    compile_(model, keras.optimizers.SGD(0.1, momentum=0.9))
+    recorder = Recorder()
+    model.fit(X, Y, batch_size=16, epochs=2, verbose=0,
+              callbacks=[ts.Sparse24Callback(start_step=2), recorder])
+    for step, kernels, step_masks in recorder.snapshots:  # at every step, not only at the end
+        for w, m in zip(kernels, step_masks):
+            np.testing.assert_array_equal(m.astype(bool), reference_mask(w, 2, 4, 0))
+    for old, new in zip(before, base.weights):
+        np.testing.assert_array_equal(old, new.numpy())
+    assert all(ts.is_nm_sparse(l.effective_weight(pw), "2:4", 0)
+               for l in ts.pruned_layers(base) for pw in l.pruned_weights)
+
+
+def test_a_custom_training_loop_drives_the_callback_through_a_callback_list():
+    """The documented custom-loop use: the loop's optimizer given to model.compile, the callback
+    driven by keras.callbacks.CallbackList as fit() would; logs reach a History listed after it."""
+    model = pruned_mlp()
+    optimizer = keras.optimizers.SGD(0.1)
+    model.compile(optimizer)
+    history = keras.callbacks.History()
+    callbacks = keras.callbacks.CallbackList(
+        [ts.Sparse24Callback(start_step=2), history], model=model)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    seen = []
+    callbacks.on_train_begin()
+    for epoch in range(2):
+        callbacks.on_epoch_begin(epoch)
+        for batch in range(4):
+            callbacks.on_train_batch_begin(batch)
+            seen.append([m.min() for m in masks(model)])
+            x, y = X[batch * 16:(batch + 1) * 16], Y[batch * 16:(batch + 1) * 16]
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            callbacks.on_train_batch_end(batch)
+        callbacks.on_epoch_end(epoch, {"loss": float(loss)})
+    callbacks.on_train_end()
+    assert [min(s) for s in seen] == [1.0, 1.0] + [0.0] * 6  # warm-up, then masks at step 2
+    assert history.history["sparse24_valid"] == [1.0, 1.0]
+    for layer in ts.pruned_layers(model):
+        for pw in layer.pruned_weights:
+            assert ts.is_nm_sparse(layer.effective_weight(pw), "2:4", 0)
+
+
+def test_a_schedule_without_an_optimizer_to_count_steps_is_refused_by_name():
+    model = pruned_mlp()  # a custom loop's model, never compiled
+    before = masks(model)
+    callbacks = keras.callbacks.CallbackList([ts.Sparse24Callback(update_every=2)], model=model)
+    with pytest.raises(ValueError, match=r"update_every=2\): model .* has no optimizer"):
+        callbacks.on_train_begin()
+    assert all(np.array_equal(a, b) for a, b in zip(masks(model), before))
+    unscheduled = keras.callbacks.CallbackList([ts.Sparse24Callback()], model=model)
+    unscheduled.on_train_begin()
+    unscheduled.on_epoch_begin(0)  # checks and logs only: no step needed
+    logs = {"loss": 0.0}
+    unscheduled.callbacks[0].on_epoch_end(0, logs)
+    assert logs["sparse24_valid"] == 1.0

@@ -40,7 +40,8 @@ class Sparse24Callback(keras.callbacks.Callback):
             `prune()` computed.
         update_every: recompute masks every this many steps after `start_step` (or step 0). None
             (default): masks stay fixed, as in the paper's recipe. Resuming never recomputes
-            masks off schedule.
+            masks off schedule. Frozen layers (weights not among the model's trainable weights)
+            keep the masks they have through the warm-up and every recomputation.
         method: mask method (a key of `tf_sparse24.masks.MASK_METHODS`) for every layer; None
             (default): each layer's own (`Sparse24.method`, the one `prune()` used).
         check: verify at every epoch end that each effective weight is exactly N:M; raises
@@ -51,7 +52,9 @@ class Sparse24Callback(keras.callbacks.Callback):
     0.0).
 
     Raises:
-        ValueError: resuming (`initial_epoch > 0`) with a schedule, an optimizer at step 0 and
+        ValueError: a schedule on a model without an optimizer (a custom loop's model never
+            compiled: compile it with the loop's optimizer). Resuming
+            (`initial_epoch > 0`) with a schedule, an optimizer at step 0 and
             data of unknown size: the training step cannot be known. With a schedule, a
             method some pruned weight cannot take (in `on_train_begin`, before a step trains).
 
@@ -93,13 +96,37 @@ class Sparse24Callback(keras.callbacks.Callback):
                 f"Sparse24Callback: model {self.model.name!r} has no Sparse24 layers; "
                 "call tf_sparse24.prune(model) first."
             )
-        if self.start_step is not None or self.update_every is not None:
+        if self._scheduled and getattr(self.model, "optimizer", None) is None:
+            raise ValueError(
+                f"Sparse24Callback(start_step={self.start_step}, update_every="
+                f"{self.update_every}): model {self.model.name!r} has no optimizer, and the mask "
+                "schedule counts optimizer.iterations. In a custom training loop, compile the "
+                "model with the optimizer the loop applies (model.compile(optimizer=opt)), or "
+                "use Sparse24Callback() without a schedule."
+            )
+        if self._scheduled:
             for layer in self._layers:  # a method a layer cannot take fails now, not mid-fit
                 for pw in layer.pruned_weights:
                     check_mask_shape(tuple(pw.variable.shape), pw.pattern, pw.axis,
                                      self.method or layer.method, f"{layer.name}/{pw.name}")
         self._offset = self._next = None
         self._warned_unbuilt = False
+
+    @property
+    def _scheduled(self) -> bool:
+        return self.start_step is not None or self.update_every is not None
+
+    def _frozen_computed(self) -> set[int]:
+        """Ids of the pruned variables the schedule leaves alone: frozen (not among the model's
+        trainable weights: `layer.trainable = False`, a frozen base model) with masks already
+        computed. Their weights do not change, so a reset (warm-up) or recomputation (another
+        `method`) would only change what a frozen layer computes. Masks never computed (all
+        ones) are computed on schedule like the others."""
+        trainable = {id(v) for v in self.model.trainable_weights}
+        return {
+            id(pw.variable) for layer in self._layers for pw in layer.pruned_weights
+            if id(pw.variable) not in trainable and not np.all(pw.mask.numpy())
+        }
 
     def _iterations(self) -> int:
         # .numpy(): under tf.distribute `iterations` is a MirroredVariable; int() rejects it.
@@ -121,11 +148,13 @@ class Sparse24Callback(keras.callbacks.Callback):
         return start + max(1, -(-(step - start) // self.update_every)) * self.update_every
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._offset is None and not self._scheduled:
+            self._offset = 0  # nothing to schedule: no step needed (a custom loop's model may
+            return  # have no optimizer)
         if self._offset is None:  # first epoch of this fit(): find where training resumes
             steps = (self.params or {}).get("steps")
             iterations = self._iterations()
-            scheduled = self.start_step is not None or self.update_every is not None
-            if scheduled and epoch > 0 and iterations == 0 and not steps:
+            if epoch > 0 and iterations == 0 and not steps:
                 raise ValueError(
                     f"Sparse24Callback: fit(initial_epoch={epoch}) with an optimizer at step 0 (no "
                     "optimizer state) on data of unknown size: the training step, and so the mask "
@@ -149,9 +178,12 @@ class Sparse24Callback(keras.callbacks.Callback):
                 self._compute_masks(step)
 
     def _reset_masks(self, step: int) -> None:
-        """Masks of ones for the dense warm-up; says so if that discards masks other than those
-        `prune()` computed in this process (an earlier fit's, or loaded from a file)."""
-        weights = [(layer, pw) for layer in self._layers for pw in layer.pruned_weights]
+        """Masks of ones for the dense warm-up (frozen layers keep theirs); says so if that
+        discards masks other than those `prune()` computed in this process (an earlier fit's, or
+        loaded from a file)."""
+        frozen = self._frozen_computed()
+        weights = [(layer, pw) for layer in self._layers for pw in layer.pruned_weights
+                   if id(pw.variable) not in frozen]
         if computed := [f"{layer.name}/{pw.name}" for layer, pw in weights
                         if layer.masks_source != "prune()" and not np.all(pw.mask.numpy())]:
             warnings.warn(
@@ -195,10 +227,15 @@ class Sparse24Callback(keras.callbacks.Callback):
 
     def _compute_masks(self, step: int) -> None:
         """Every layer's new masks, all computed before any is assigned: a layer that fails
-        (NaN weights) leaves every mask as it was."""
-        masks = [layer._computed_masks(self.method) for layer in self._layers]
-        for layer, layer_masks in zip(self._layers, masks):
-            layer._assign_masks(layer_masks, self.method)
+        (NaN weights) leaves every mask as it was. Frozen layers' computed masks are kept."""
+        frozen = self._frozen_computed()
+        layers = [layer for layer in self._layers
+                  if any(id(pw.variable) not in frozen for pw in layer.pruned_weights)]
+        masks = [layer._computed_masks(self.method) for layer in layers]
+        for layer, layer_masks in zip(layers, masks):
+            layer._assign_masks([pw.mask.value if id(pw.variable) in frozen else mask
+                                 for pw, mask in zip(layer.pruned_weights, layer_masks)],
+                                self.method)
         self._next = self._due_from(step + 1)
 
     def on_train_end(self, logs=None):
