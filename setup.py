@@ -6,7 +6,7 @@ build sees the TensorFlow the ops will run against (custom ops are ABI-bound to 
 
     pip install --no-build-isolation .
 
-Set `TF_SPARSE24_CUDA=1` to also compile the GPU kernels with nvcc (see README, "GPU").
+Set `TF_SPARSE24_CUDA=1` to also compile the GPU kernels with nvcc (see docs/GPU.md).
 """
 
 from __future__ import annotations
