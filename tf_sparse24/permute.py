@@ -217,8 +217,8 @@ def permute(
                     f"efficacy {r.efficacy:.1f}%)" if r.permuted else f"skipped: {r.reason}")
             where = (f"{r.producer} value heads -> its output projection [{r.heads} x "
                      f"{r.channels} ch]" if r.heads else
-                     f"{'+'.join(r.producers) or '-'} -> {', '.join(r.consumers)} "
-                     f"[{r.channels} ch]")
+                     f"{'+'.join(r.producers) or '-'} -> {', '.join(r.consumers)}"
+                     + (f" [{r.channels} ch]" if r.channels else ""))  # 0: a layer alone
             print_fn(f"{where}: {what}")
     return copy, reports
 
