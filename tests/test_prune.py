@@ -778,6 +778,49 @@ def test_lora_enabled_layers_are_skipped_with_the_reason(layer):
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [lambda: keras.layers.MultiHeadAttention(2, 4, name="att"),
+     lambda: keras.layers.GroupQueryAttention(4, 4, 2, name="att")],
+    ids=["mha", "gqa"],
+)  # fmt: skip
+def test_lora_on_an_attention_projection_is_kept_and_the_other_projections_pruned(make):
+    """The attention layer's config does not record LoRA on its projections: the copies get it
+    back (same rank and alpha, the trained adapters), and only that projection stays dense."""
+    inp = keras.Input((6, 8))
+    att = make()
+    model = keras.Model(inp, att(inp, inp))
+    query = att._query_dense
+    query.enable_lora(2, lora_alpha=4)
+    query.lora_kernel_b.assign(RNG.normal(size=query.lora_kernel_b.shape).astype("float32"))
+    pruned = ts.prune(model)
+    (wrapper,) = ts.pruned_layers(pruned)
+    assert [pw.name for pw in wrapper.pruned_weights] == [
+        "key/kernel", "value/kernel", "attention_output/kernel"]
+    reason = next(r.reason for r in ts.report(pruned, print_fn=None) if r.layer == "query")
+    assert "LoRA is enabled on 'query'" in reason
+    # Reference: the original layer with those three kernels masked (numpy masks), LoRA as it is.
+    others = {"key": 0, "value": 0, "attention_output": 1}
+    saved = {n: getattr(att, f"_{n}_dense" if n != "attention_output" else "_output_dense")
+             for n in others}
+    values = {n: d.kernel.numpy() for n, d in saved.items()}
+    try:
+        for n, d in saved.items():
+            d.kernel.assign(values[n] * reference_mask(values[n], 2, 4, others[n]))
+        want = np.asarray(model(X), np.float64)
+    finally:
+        for n, d in saved.items():
+            d.kernel.assign(values[n])
+    np.testing.assert_allclose(pruned(X), want, rtol=1e-5, atol=1e-6)
+    stripped = ts.strip(pruned)
+    np.testing.assert_allclose(stripped(X), want, rtol=1e-5, atol=1e-6)
+    (copy,) = [layer for layer in stripped._flatten_layers() if layer.name == "query"]
+    assert copy.lora_enabled and (copy.lora_rank, copy.lora_alpha) == (2, 4)
+    for mine, theirs in [(copy.lora_kernel_a, query.lora_kernel_a),
+                         (copy.lora_kernel_b, query.lora_kernel_b), (copy._kernel, query._kernel)]:
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
 class Post(keras.layers.Layer):
     """No weights of its own; makes its sublayers in build()."""
 
