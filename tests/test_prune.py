@@ -857,6 +857,30 @@ def test_quantization_and_masks_do_not_mix_silently():
         pruned(x)
 
 
+@pytest.mark.parametrize("change", ["int8", "int4", "lora"])
+def test_strip_and_report_refuse_a_pruned_layer_keras_changed_after_pruning(change):
+    """Quantizing the pruned model or enabling LoRA on a wrapped layer makes the layer use a
+    kernel rebuilt outside the masks: strip() would copy that dense kernel into the 'plain, 2:4'
+    model (int8/int4: the dense quantized kernel, outputs far from the masked ones)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, name="d")])
+    pruned = ts.prune(model)
+    if change == "lora":
+        ts.pruned_layers(pruned)[0].layer.enable_lora(2)
+    else:
+        pruned.quantize(change)
+    before = [w.copy() for w in pruned.get_weights()]
+    what = "LoRA is enabled on" if change == "lora" else "were quantized"
+    with pytest.raises(ValueError, match=r"strip\(\): Sparse24: .*\['d'\]") as err:
+        ts.strip(pruned)
+    assert what in str(err.value)
+    for got, want in zip(pruned.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+    (row, *_) = ts.report(pruned, print_fn=None)
+    assert row.layer == "sparse24_d" and row.valid is False
+    assert ("LoRA" if change == "lora" else "quantized") in row.reason
+
+
 @pytest.mark.parametrize("mode", ["int8", "float8"])
 def test_a_model_with_quantized_layers_is_copied_exactly(mode):
     """The quantized layer is copied as it is (a float8 Dense made from its config creates its

@@ -37,7 +37,13 @@ from tf_sparse24.model_copy import (
     is_functional,
 )
 from tf_sparse24.registry import relative_variables
-from tf_sparse24.wrapper import Sparse24, _sublayers, claim_eligible_weights, walk_layers
+from tf_sparse24.wrapper import (
+    Sparse24,
+    _check_masks_apply,
+    _sublayers,
+    claim_eligible_weights,
+    walk_layers,
+)
 
 __all__ = ["prune", "pruned_layers", "strip"]
 
@@ -420,7 +426,9 @@ def strip(model: keras.Model) -> keras.Model:
     Raises:
         TypeError: for a subclassed model, or wrappers inside a layer of the graph (their owner's
             `call` names them; export it instead).
-        ValueError: a weight shared by two layers (as in `prune`).
+        ValueError: a weight shared by two layers (as in `prune`); a wrapped layer that Keras
+            quantized or gave LoRA after pruning (its kernel is no longer `variable * mask`, so
+            the copy would hold a dense kernel), naming it.
     """
     check_model(model, "strip")
     if not (isinstance(model, keras.Sequential) or is_functional(model)):
@@ -437,6 +445,12 @@ def strip(model: keras.Model) -> keras.Model:
             "it cannot take them out. Export the model instead (tf_sparse24.export), or build "
             "that block as a Functional model."
         )
+    for wrapper in wrappers:  # the layer no longer reads variable * mask
+        try:
+            _check_masks_apply(wrapper.layer, [pw.variable for pw in wrapper.pruned_weights])
+        except ValueError as err:
+            raise ValueError(f"strip(): {err} (Keras changed the layer in place: strip the "
+                             "pruned model as saved before.)") from None
     if dense := not_nm_weights(wrappers):
         warnings.warn(
             f"strip(): the effective weights {dense} of model {model.name!r} are not N:M (masks "
