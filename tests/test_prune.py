@@ -641,6 +641,28 @@ def test_selectors_may_be_any_iterable_but_not_a_number():
         assert names_of(ts.prune(model, layers=chosen)) == ["top"]  # all three, before
     with pytest.raises(TypeError, match=r"layers: expected a layer name.* Received: layers=3"):
         ts.prune(model, layers=3)
+    # A predicate is not a selector: the error says how to pass what it picks.
+    for chosen in (lambda layer: layer.name == "top", [lambda layer: layer.name == "top"]):
+        with pytest.raises(TypeError, match=r"layers=filter\(predicate, model.layers\)"):
+            ts.prune(model, layers=chosen)
+
+
+def test_unknown_selector_names_list_the_models_layers_and_the_close_ones():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="encoder_a"),
+                              keras.layers.Dense(4, name="head")])
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError) as err:
+        ts.prune(model, skip=["encoder_b", "nothing"])
+    message = str(err.value)
+    assert "skip: no layer named ['encoder_b', 'nothing']" in message
+    assert "'encoder_b': did you mean ['encoder_a']?" in message
+    assert "Its layers: ['encoder_a', 'head']." in message and "'nothing': did" not in message
+    many = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(4, name=f"d{i}")
+                                                     for i in range(45)])
+    with pytest.raises(ValueError, match=r"'d39'\] and 5 more\.$"):
+        ts.prune(many, layers="x")
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_prune_that_prunes_nothing_says_so():
