@@ -784,6 +784,18 @@ def test_unpruned_model_is_rejected_and_nothing_written(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+def test_a_quantized_stripped_model_is_sent_to_keras_export_not_told_to_prune(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")])
+    plain = tf_sparse24.strip(tf_sparse24.prune(model))
+    plain.quantize("int8")
+    kernel = plain.get_layer("d")._kernel.numpy()
+    assert kernel.dtype == np.int8 and tf_sparse24.is_nm_sparse(kernel.astype("float32"), "2:4", 0)
+    with pytest.raises(ValueError, match=r"layers \['d'\] are quantized .*model\.export\(\)"):
+        export(plain, tmp_path / "m" / "1")
+    assert not (tmp_path / "m").exists()
+
+
 def test_a_pattern_that_is_not_always_2to4_is_named_in_the_error(tmp_path):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, name="wide")])

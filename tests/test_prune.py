@@ -641,6 +641,28 @@ def test_selectors_may_be_any_iterable_but_not_a_number():
         assert names_of(ts.prune(model, layers=chosen)) == ["top"]  # all three, before
     with pytest.raises(TypeError, match=r"layers: expected a layer name.* Received: layers=3"):
         ts.prune(model, layers=3)
+    # A predicate is not a selector: the error says how to pass what it picks.
+    for chosen in (lambda layer: layer.name == "top", [lambda layer: layer.name == "top"]):
+        with pytest.raises(TypeError, match=r"layers=filter\(predicate, model.layers\)"):
+            ts.prune(model, layers=chosen)
+
+
+def test_unknown_selector_names_list_the_models_layers_and_the_close_ones():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="encoder_a"),
+                              keras.layers.Dense(4, name="head")])
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError) as err:
+        ts.prune(model, skip=["encoder_b", "nothing"])
+    message = str(err.value)
+    assert "skip: no layer named ['encoder_b', 'nothing']" in message
+    assert "'encoder_b': did you mean ['encoder_a']?" in message
+    assert "Its layers: ['encoder_a', 'head']." in message and "'nothing': did" not in message
+    many = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(4, name=f"d{i}")
+                                                     for i in range(45)])
+    with pytest.raises(ValueError, match=r"'d39'\] and 5 more\.$"):
+        ts.prune(many, layers="x")
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_prune_that_prunes_nothing_says_so():
@@ -778,6 +800,49 @@ def test_lora_enabled_layers_are_skipped_with_the_reason(layer):
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [lambda: keras.layers.MultiHeadAttention(2, 4, name="att"),
+     lambda: keras.layers.GroupQueryAttention(4, 4, 2, name="att")],
+    ids=["mha", "gqa"],
+)  # fmt: skip
+def test_lora_on_an_attention_projection_is_kept_and_the_other_projections_pruned(make):
+    """The attention layer's config does not record LoRA on its projections: the copies get it
+    back (same rank and alpha, the trained adapters), and only that projection stays dense."""
+    inp = keras.Input((6, 8))
+    att = make()
+    model = keras.Model(inp, att(inp, inp))
+    query = att._query_dense
+    query.enable_lora(2, lora_alpha=4)
+    query.lora_kernel_b.assign(RNG.normal(size=query.lora_kernel_b.shape).astype("float32"))
+    pruned = ts.prune(model)
+    (wrapper,) = ts.pruned_layers(pruned)
+    assert [pw.name for pw in wrapper.pruned_weights] == [
+        "key/kernel", "value/kernel", "attention_output/kernel"]
+    reason = next(r.reason for r in ts.report(pruned, print_fn=None) if r.layer == "query")
+    assert "LoRA is enabled on 'query'" in reason
+    # Reference: the original layer with those three kernels masked (numpy masks), LoRA as it is.
+    others = {"key": 0, "value": 0, "attention_output": 1}
+    saved = {n: getattr(att, f"_{n}_dense" if n != "attention_output" else "_output_dense")
+             for n in others}
+    values = {n: d.kernel.numpy() for n, d in saved.items()}
+    try:
+        for n, d in saved.items():
+            d.kernel.assign(values[n] * reference_mask(values[n], 2, 4, others[n]))
+        want = np.asarray(model(X), np.float64)
+    finally:
+        for n, d in saved.items():
+            d.kernel.assign(values[n])
+    np.testing.assert_allclose(pruned(X), want, rtol=1e-5, atol=1e-6)
+    stripped = ts.strip(pruned)
+    np.testing.assert_allclose(stripped(X), want, rtol=1e-5, atol=1e-6)
+    (copy,) = [layer for layer in stripped._flatten_layers() if layer.name == "query"]
+    assert copy.lora_enabled and (copy.lora_rank, copy.lora_alpha) == (2, 4)
+    for mine, theirs in [(copy.lora_kernel_a, query.lora_kernel_a),
+                         (copy.lora_kernel_b, query.lora_kernel_b), (copy._kernel, query._kernel)]:
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
 class Post(keras.layers.Layer):
     """No weights of its own; makes its sublayers in build()."""
 
@@ -812,6 +877,30 @@ def test_quantization_and_masks_do_not_mix_silently():
     pruned.quantize("int8")
     with pytest.raises(ValueError, match=r"\['d'\] inside 'd' were quantized.*strip\(model\)"):
         pruned(x)
+
+
+@pytest.mark.parametrize("change", ["int8", "int4", "lora"])
+def test_strip_and_report_refuse_a_pruned_layer_keras_changed_after_pruning(change):
+    """Quantizing the pruned model or enabling LoRA on a wrapped layer makes the layer use a
+    kernel rebuilt outside the masks: strip() would copy that dense kernel into the 'plain, 2:4'
+    model (int8/int4: the dense quantized kernel, outputs far from the masked ones)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, name="d")])
+    pruned = ts.prune(model)
+    if change == "lora":
+        ts.pruned_layers(pruned)[0].layer.enable_lora(2)
+    else:
+        pruned.quantize(change)
+    before = [w.copy() for w in pruned.get_weights()]
+    what = "LoRA is enabled on" if change == "lora" else "were quantized"
+    with pytest.raises(ValueError, match=r"strip\(\): Sparse24: .*\['d'\]") as err:
+        ts.strip(pruned)
+    assert what in str(err.value)
+    for got, want in zip(pruned.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+    (row, *_) = ts.report(pruned, print_fn=None)
+    assert row.layer == "sparse24_d" and row.valid is False
+    assert ("LoRA" if change == "lora" else "quantized") in row.reason
 
 
 @pytest.mark.parametrize("mode", ["int8", "float8"])

@@ -58,7 +58,7 @@ from tf_sparse24.atomic_dir import check_replaceable, write_atomically
 from tf_sparse24.layer_calls import calls_replaced
 from tf_sparse24.masks import parse_pattern
 from tf_sparse24.metadata import ExportError
-from tf_sparse24.registry import eligible_weights, own_variables
+from tf_sparse24.registry import eligible_weights, own_variables, quantized_layers
 from tf_sparse24.signature import (
     flat_outputs,
     functional_view,
@@ -164,6 +164,13 @@ def export(
     specs = input_specs(model, input_signature)
     keys = [s.name for s in specs] if isinstance(input_signature, dict) else None
     sparse = _sparse_weights(model)
+    if not sparse and (quantized := quantized_layers(model)):
+        raise ValueError(
+            f"model {model.name!r} has no 2:4 sparse float weights to compress: its layers "
+            f"{quantized} are quantized (model.quantize), and tf_sparse24.export compresses float "
+            "kernels only. Export it with Keras' model.export(): quantizing a stripped model "
+            "keeps its 2:4 zeros."
+        )
     if not sparse:
         raise ValueError(
             f"model {model.name!r} has no 2:4 sparse weights to compress: prune it with "

@@ -68,6 +68,7 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
             f"{len(sources)})."
         )
     for a, b in zip(sources, targets):
+        _copy_lora(a, b)
         store = {}
         a.save_own_variables(store)
         if store or b.weights:
@@ -83,6 +84,15 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
         _copy_own_variables(a, b)
         if isinstance(a, Sparse24):  # the copy's masks come from where the original's came from
             b.masks_source = a.masks_source
+
+
+def _copy_lora(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
+    """Enables LoRA on the built copy `target` of a layer that has it (same rank and alpha) where
+    the copy lacks it: a sublayer whose owner's config does not record it (MultiHeadAttention's
+    and GroupQueryAttention's projections, a block's Dense). Its adapters are then copied as they
+    are, not merged into the kernel."""
+    if getattr(source, "lora_enabled", False) and target.built and not target.lora_enabled:
+        target.enable_lora(source.lora_rank, lora_alpha=source.lora_alpha)
 
 
 def _copy_own_variables(source: keras.layers.Layer, target: keras.layers.Layer) -> None:

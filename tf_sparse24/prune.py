@@ -15,6 +15,7 @@ The copying itself is `model_copy.py`'s; `report()` is in `report.py`.
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -37,7 +38,13 @@ from tf_sparse24.model_copy import (
     is_functional,
 )
 from tf_sparse24.registry import relative_variables
-from tf_sparse24.wrapper import Sparse24, _sublayers, claim_eligible_weights, walk_layers
+from tf_sparse24.wrapper import (
+    Sparse24,
+    _check_masks_apply,
+    _sublayers,
+    claim_eligible_weights,
+    walk_layers,
+)
 
 __all__ = ["prune", "pruned_layers", "strip"]
 
@@ -107,6 +114,16 @@ def _at_path(model: keras.layers.Layer, path: str) -> keras.layers.Layer | None:
     return layer
 
 
+def _close_names(unknown: list[str], layers: list, shown: int = 40) -> str:
+    """The names of `layers` (the first `shown`, in model order) and those close to each of
+    `unknown`, for the error about names a model does not have."""
+    names = list(dict.fromkeys(layer.name for layer in layers))
+    close = {n: difflib.get_close_matches(n.rsplit("/", 1)[-1], names, 3) for n in unknown}
+    hint = "; ".join(f"{n!r}: did you mean {c}?" for n, c in close.items() if c)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return (f" {hint}." if hint else "") + f" Its layers: {names[:shown]}{more}."
+
+
 def _check_selectors(model, selectors, arg: str) -> list:
     """`selectors` as a list, each a layer name, a path of names ('block/ffn/dense', see
     `_at_path`) or an object of `model`, or a layer class.
@@ -119,11 +136,14 @@ def _check_selectors(model, selectors, arg: str) -> list:
     """
     if selectors is None:
         return []
+    predicate = (f" For a predicate, pass the layers it picks: {arg}=filter(predicate, "
+                 "model.layers) (or a list of their names).")
     try:
         chosen = _selector_list(selectors)  # once: an iterator (a generator) is used up by it
     except TypeError:
         raise TypeError(f"{arg}: expected a layer name, object or class, or a sequence of them. "
-                        f"Received: {arg}={selectors!r}") from None
+                        f"Received: {arg}={selectors!r}.{predicate if callable(selectors) else ''}"
+                        ) from None
     if arg == "layers" and not chosen:
         raise ValueError(
             f"layers: {selectors!r} selects no layer of model {model.name!r}. Pass layers=None "
@@ -135,9 +155,10 @@ def _check_selectors(model, selectors, arg: str) -> list:
                  else s for s in chosen]
     if wrong := [s for s in selectors if not isinstance(s, (str, type, keras.layers.Layer))]:
         raise TypeError(f"{arg}: expected layer names, layer objects or layer classes, got "
-                        f"{wrong!r}.")
+                        f"{wrong!r}.{predicate if any(map(callable, wrong)) else ''}")
     if unknown := [s for s in selectors if isinstance(s, str) and s not in names]:
-        raise ValueError(f"{arg}: no layer named {unknown} in model {model.name!r}.")
+        raise ValueError(f"{arg}: no layer named {unknown} in model {model.name!r}."
+                         f"{_close_names(unknown, layers)}")
     if outside := [s.name for s in selectors if isinstance(s, keras.layers.Layer)
                    and id(s) not in {id(layer) for layer in layers}]:
         raise ValueError(
@@ -420,7 +441,9 @@ def strip(model: keras.Model) -> keras.Model:
     Raises:
         TypeError: for a subclassed model, or wrappers inside a layer of the graph (their owner's
             `call` names them; export it instead).
-        ValueError: a weight shared by two layers (as in `prune`).
+        ValueError: a weight shared by two layers (as in `prune`); a wrapped layer that Keras
+            quantized or gave LoRA after pruning (its kernel is no longer `variable * mask`, so
+            the copy would hold a dense kernel), naming it.
     """
     check_model(model, "strip")
     if not (isinstance(model, keras.Sequential) or is_functional(model)):
@@ -437,6 +460,12 @@ def strip(model: keras.Model) -> keras.Model:
             "it cannot take them out. Export the model instead (tf_sparse24.export), or build "
             "that block as a Functional model."
         )
+    for wrapper in wrappers:  # the layer no longer reads variable * mask
+        try:
+            _check_masks_apply(wrapper.layer, [pw.variable for pw in wrapper.pruned_weights])
+        except ValueError as err:
+            raise ValueError(f"strip(): {err} (Keras changed the layer in place: strip the "
+                             "pruned model as saved before.)") from None
     if dense := not_nm_weights(wrappers):
         warnings.warn(
             f"strip(): the effective weights {dense} of model {model.name!r} are not N:M (masks "

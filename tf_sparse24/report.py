@@ -11,7 +11,7 @@ import numpy as np
 from tf_sparse24.masks import is_nm_sparse, parse_pattern
 from tf_sparse24.prune import check_model, pruned_layers
 from tf_sparse24.registry import own_variables, scan_layer
-from tf_sparse24.wrapper import Sparse24, walk_layers
+from tf_sparse24.wrapper import Sparse24, _check_masks_apply, walk_layers
 
 __all__ = ["LayerReport", "format_report", "report"]
 
@@ -26,7 +26,7 @@ class LayerReport:
     reason: str
     params: int  # elements of the pruned (or prunable-kind) weights
     nonzeros: int
-    valid: bool | None  # effective weights are N:M (None when not pruned)
+    valid: bool | None  # effective weights are N:M and the layer uses them (None: not pruned)
 
     @property
     def density(self) -> float:
@@ -62,7 +62,8 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
                     + "".join(f"; {r}" for r in left),
                     params=sum(int(np.prod(pw.variable.shape)) for pw, _ in effective),
                     nonzeros=sum(int(np.count_nonzero(w)) for _, w in effective),
-                    valid=all(is_nm_sparse(w, pw.pattern, pw.axis) for pw, w in effective),
+                    valid=_masks_apply(layer)
+                    and all(is_nm_sparse(w, pw.pattern, pw.axis) for pw, w in effective),
                 )
             )
             inside = [layer.layer, *walk_layers(layer.layer)]  # what the wrapper left dense
@@ -72,6 +73,16 @@ def report(model: keras.Model, print_fn: Callable[[str], None] | None = print) -
     if print_fn is not None:
         print_fn(format_report(rows))
     return rows
+
+
+def _masks_apply(wrapper: Sparse24) -> bool:
+    """False when the wrapped layer no longer uses `variable * mask` (Keras quantized it or
+    enabled LoRA on it after pruning: the wrapper then refuses to run)."""
+    try:
+        _check_masks_apply(wrapper.layer, [pw.variable for pw in wrapper.pruned_weights])
+    except ValueError:
+        return False
+    return True
 
 
 def _skip_reasons(layer: keras.layers.Layer, m: int) -> list[str]:
