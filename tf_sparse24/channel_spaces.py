@@ -24,7 +24,7 @@ import numpy as np
 
 from tf_sparse24.model_graph import Graph, call_constants, describe, keras_kind, tensor_specs
 from tf_sparse24.registry import einsum_axis, einsum_parts
-from tf_sparse24.wrapper import Sparse24, _sublayers, walk_layers
+from tf_sparse24.wrapper import Sparse24, sublayers, walk_layers
 
 # Layers that commute with any channel permutation (elementwise, per-channel, or symmetric over
 # channels) and so may sit between a producer and its consumers. Names of public Keras classes.
@@ -681,7 +681,7 @@ def find_attention_layers(graph: Graph) -> tuple[list[Attention], set[int]]:
             count[id(layer)] += 1
             found.setdefault(id(layer), Attention(path, holder, layer))
         elif not isinstance(layer, Sparse24) and id(layer) not in above:  # masks: not entered
-            subs = {id(sub): sub for sub in _sublayers(layer)}  # Keras also lists them in _layers
+            subs = {id(sub): sub for sub in sublayers(layer)}  # Keras also lists them in _layers
             for sub in subs.values():
                 visit(sub, f"{path}/{sub.name}", holder, above | {id(layer)})
 

@@ -38,13 +38,7 @@ from tf_sparse24.model_copy import (
     is_functional,
 )
 from tf_sparse24.registry import relative_variables
-from tf_sparse24.wrapper import (
-    Sparse24,
-    _check_masks_apply,
-    _sublayers,
-    claim_eligible_weights,
-    walk_layers,
-)
+from tf_sparse24.wrapper import Sparse24, claim_eligible_weights, sublayers, walk_layers
 
 __all__ = ["prune", "pruned_layers", "strip"]
 
@@ -103,7 +97,7 @@ def _at_path(model: keras.layers.Layer, path: str) -> keras.layers.Layer | None:
     layer = model
     for name in path.split("/"):
         found = None
-        for sub in _sublayers(layer):
+        for sub in sublayers(layer):
             inner = sub.layer if isinstance(sub, Sparse24) else sub
             if name in (sub.name, inner.name):
                 found = inner if name == inner.name else sub
@@ -462,7 +456,7 @@ def strip(model: keras.Model) -> keras.Model:
         )
     for wrapper in wrappers:  # the layer no longer reads variable * mask
         try:
-            _check_masks_apply(wrapper.layer, [pw.variable for pw in wrapper.pruned_weights])
+            wrapper.check_masks_apply()
         except ValueError as err:
             raise ValueError(f"strip(): {err} (Keras changed the layer in place: strip the "
                              "pruned model as saved before.)") from None

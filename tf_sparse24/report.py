@@ -11,7 +11,7 @@ import numpy as np
 from tf_sparse24.masks import is_nm_sparse, parse_pattern
 from tf_sparse24.prune import check_model, pruned_layers
 from tf_sparse24.registry import own_variables, scan_layer
-from tf_sparse24.wrapper import Sparse24, _check_masks_apply, walk_layers
+from tf_sparse24.wrapper import Sparse24, walk_layers
 
 __all__ = ["LayerReport", "format_report", "report"]
 
@@ -79,7 +79,7 @@ def _masks_apply(wrapper: Sparse24) -> bool:
     """False when the wrapped layer no longer uses `variable * mask` (Keras quantized it or
     enabled LoRA on it after pruning: the wrapper then refuses to run)."""
     try:
-        _check_masks_apply(wrapper.layer, [pw.variable for pw in wrapper.pruned_weights])
+        wrapper.check_masks_apply()
     except ValueError:
         return False
     return True

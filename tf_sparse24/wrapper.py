@@ -182,22 +182,6 @@ def stored_value(variable: keras.Variable):
         return variable.value
 
 
-def _check_masks_apply(layer: keras.layers.Layer, variables) -> None:
-    """Refuses layers whose forward no longer reads the masked variables (LoRA, quantization)."""
-    if names := lora_layers(layer, variables):
-        raise ValueError(
-            f"Sparse24: LoRA is enabled on {names} inside {layer.name!r}: the kernel it uses, "
-            "kernel + lora_a @ lora_b, is dense, so it cannot be kept 2:4. Prune without LoRA, "
-            "or fine-tune the pruned model without it."
-        )
-    if names := quantized_layers(layer):
-        raise ValueError(
-            f"Sparse24: {names} inside {layer.name!r} were quantized: the quantized kernel is "
-            "made from the raw weight, not the masked one, so it is not 2:4. Quantize the "
-            "stripped model instead: plain = tf_sparse24.strip(model); plain.quantize(...)."
-        )
-
-
 def _symbolic(value):
     """A `KerasTensor` standing for a dense tensor, variable or numpy array; anything else as it
     is."""
@@ -215,7 +199,7 @@ def _is_data(value) -> bool:
     return tf.is_tensor(value)
 
 
-def _sublayers(layer) -> list:
+def sublayers(layer) -> list:
     """Direct sublayers: a model's `layers`, or Layer-valued attributes of a custom layer."""
     if isinstance(layer, keras.Model):
         return list(layer.layers)
@@ -232,7 +216,7 @@ def walk_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
     seen, out = set(), []
 
     def visit(layer):
-        for sub in _sublayers(layer):
+        for sub in sublayers(layer):
             if id(sub) not in seen:
                 seen.add(id(sub))
                 out.append(sub)
@@ -409,7 +393,7 @@ class Sparse24(keras.layers.Wrapper):
                 var.regularizer = _MaskedRegularizer(var.regularizer, mask)
             if var.constraint is not None and not isinstance(var.constraint, _MaskedConstraint):
                 var.constraint = _MaskedConstraint(var.constraint, mask)
-        _check_masks_apply(self.layer, [pw.variable for pw in self.pruned_weights])
+        self.check_masks_apply()
         position = {id(v): i for i, v in enumerate(self.layer.variables)}
         self._positions = [position[id(pw.variable)] for pw in self.pruned_weights]
         self._layer_variables = len(position)
@@ -570,6 +554,23 @@ class Sparse24(keras.layers.Wrapper):
         return (self.layer.built and not self.pruned_weights and self._layer_variables is not None
                 and len(self.layer.variables) < self._layer_variables)
 
+    def check_masks_apply(self) -> None:
+        """Raises ValueError, naming the layer, if the wrapped layer's forward no longer reads its
+        masked variables: Keras quantized it or enabled LoRA on it (also after pruning)."""
+        layer, variables = self.layer, [pw.variable for pw in self.pruned_weights]
+        if names := lora_layers(layer, variables):
+            raise ValueError(
+                f"Sparse24: LoRA is enabled on {names} inside {layer.name!r}: the kernel it uses, "
+                "kernel + lora_a @ lora_b, is dense, so it cannot be kept 2:4. Prune without LoRA, "
+                "or fine-tune the pruned model without it."
+            )
+        if names := quantized_layers(layer):
+            raise ValueError(
+                f"Sparse24: {names} inside {layer.name!r} were quantized: the quantized kernel is "
+                "made from the raw weight, not the masked one, so it is not 2:4. Quantize the "
+                "stripped model instead: plain = tf_sparse24.strip(model); plain.quantize(...)."
+            )
+
     def effective_weight(self, pw: PrunedWeight) -> tf.Tensor:
         """The exactly-N:M weight the forward uses: `variable * mask`."""
         value = stored_value(pw.variable)  # the inner layer autocasts the product for itself
@@ -597,7 +598,7 @@ class Sparse24(keras.layers.Wrapper):
         self.masks_source = "update_masks()"
 
     def call(self, *args, **kwargs):
-        _check_masks_apply(self.layer, [pw.variable for pw in self.pruned_weights])
+        self.check_masks_apply()
         # Out of the autocast scope Keras opened for this call: a StatelessScope converts each value
         # to its variable's `dtype`, which reads as the 16-bit compute dtype inside it, so a float32
         # sublayer would get rounded weights. Each inner layer autocasts for itself.
