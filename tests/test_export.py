@@ -736,13 +736,14 @@ def test_reloading_an_export_frees_the_kernels_rebuilt_at_load(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", RELOAD_SCRIPT, str(tmp_path / "1"), str(loads),
          str(tmp_path / "x.npy"), str(tmp_path / "y.npy")],
-        env=ENV, capture_output=True, text=True, timeout=300, check=False)
+        env={**ENV, "MALLOC_MMAP_THRESHOLD_": "1048576"},  # big buffers freed to the OS at once
+        capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     np.testing.assert_allclose(np.load(tmp_path / "y.npy"), model(x), rtol=1e-5, atol=1e-5)
     assert result["again"] == 0
     grown = result["rss"][-1] - result["rss"][0]  # over loads - 1 loads
-    assert grown < 3 * kernel_mib, result["rss"]
+    assert grown < kernel_mib, result["rss"]  # without the mmap threshold: +-60 MiB of noise
 
 
 # --- size -----------------------------------------------------------------------------------
