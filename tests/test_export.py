@@ -1021,6 +1021,31 @@ def test_automatic_layer_names_do_not_become_signature_keys(tmp_path):
     assert signature_output_names(ends_in_an_op, ends_in_an_op.outputs) == ["output_0"]
 
 
+def test_a_dict_input_models_unnamed_inputs_are_served_under_their_keys(tmp_path):
+    """`keras.Model({"age": keras.Input(...), ...})` without `name=`: the dict keys are the names
+    the model is called with, so they name the signature's inputs (not `input_0`, `input_1`, which
+    a client would have to map back through the sorted key order)."""
+    keras.utils.set_random_seed(0)
+    inputs = {"income": keras.Input((2,)), "age": keras.Input((4,)), "zip-code": keras.Input((2,))}
+    h = keras.layers.Concatenate()([inputs["age"], inputs["income"] * 3.0, inputs["zip-code"]])
+    model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Dense(4, name="score")(h)))
+    metadata = export(model, tmp_path / "1")
+    assert metadata["signature"]["input_order"] == ["age", "income", "zip_code"]
+    rng = np.random.default_rng(3)
+    x = {name: rng.standard_normal((3, t.shape[1])).astype("float32")
+         for name, t in inputs.items()}
+    served = load(tmp_path / "1").signatures["serving_default"](
+        age=x["age"], income=x["income"], zip_code=x["zip-code"])["score"]
+    dense = model.get_layer("sparse24_score").layer
+    want = (np.concatenate([x["age"], 3.0 * x["income"], x["zip-code"]], axis=1).astype(np.float64)
+            @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy())
+    np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+    # verify calls the model with a dict of these names: a served input bound to the wrong key
+    # would show.
+    assert verify(tmp_path / "1", against=model)["input_shapes"] == {
+        "age": [2, 4], "income": [2, 2], "zip_code": [2, 2]}
+
+
 def test_signature_names_order_and_precision_survive_verify(tmp_path):
     """Inputs not in sorted order, output keys that map to one identifier, and mixed precision
     with a float32 head: served like the Keras model, and `verify --against` agrees."""
