@@ -195,6 +195,34 @@ def test_time_distributed_with_unknown_steps_is_refused_and_exports_with_input(t
     np.testing.assert_allclose(served, x @ kernel + dense.bias.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_lambda_layer_model_exports_once_unsafe_loading_is_imported(tmp_path, capsys):
+    """Keras refuses to load a Lambda layer's Python code unless told it is trusted; the CLI says
+    how (an --import module that enables it), and that export then serves the model."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,), name="x")
+    scaled = keras.layers.Lambda(lambda t: t * 2.0, name="double")(inp)
+    model = tf_sparse24.prune(keras.Model(inp, keras.layers.Dense(4, name="out")(scaled)))
+    path = str(tmp_path / "lambda.keras")
+    model.save(path)
+    assert main(["export", path, str(tmp_path / "a" / "1")]) == 1
+    err = capsys.readouterr().err
+    assert "safe_mode" in err and "(here: --import a module that calls keras.config." in err
+    assert not (tmp_path / "a").exists()
+    # In a fresh process: unsafe loading, once enabled, stays on for the rest of it.
+    (tmp_path / "trust_my_file.py").write_text(
+        "import keras\nkeras.config.enable_unsafe_deserialization()\n")
+    out = str(tmp_path / "b" / "1")
+    proc = _cli(tmp_path, "export", path, out, "--import", "trust_my_file")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    dense = model.get_layer("sparse24_out").layer
+    groups = dense.kernel.numpy().astype(np.float64).reshape(2, 4, 4)  # 2:4 by magnitude
+    np.put_along_axis(groups, np.argsort(np.abs(groups), axis=1, kind="stable")[:, :2], 0.0, 1)
+    served = tf_sparse24.load(out).signatures["serving_default"](x=x)["out"].numpy()
+    np.testing.assert_allclose(served, 2.0 * x @ groups.reshape(8, 4) + dense.bias.numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+
 NET_MODULE = '''
 import keras
 import tf_sparse24
