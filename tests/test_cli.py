@@ -240,6 +240,60 @@ def test_export_of_a_subclassed_model_takes_its_inputs_from_the_command_line(tmp
     assert not (tmp_path / "c").exists()
 
 
+def test_time_distributed_with_unknown_steps_is_refused_and_exports_with_input(tmp_path, capsys):
+    """A `.keras` sequence model with TimeDistributed over `Input((None, 16))`: refused with the
+    layer named and the command-line way out; `--input` with a fixed step count exports it."""
+    keras.utils.set_random_seed(0)
+    frames = keras.Input((None, 16), name="frames")
+    td = keras.layers.TimeDistributed(keras.layers.Dense(8, name="d"), name="td")
+    model = tf_sparse24.prune(keras.Model(frames, td(frames)))
+    path = str(tmp_path / "td.keras")
+    model.save(path)
+    assert main(["export", path, str(tmp_path / "a" / "1")]) == 1
+    err = capsys.readouterr().err
+    assert "layer 'td' (TimeDistributed) is served with an unknown number of time steps" in err
+    assert "(here: --input NAME:DTYPE:SHAPE)" in err
+    assert not (tmp_path / "a").exists()
+    out = str(tmp_path / "b" / "1")
+    assert main(["export", path, out, "--input", "frames:float32:None,5,16"]) == 0
+    x = np.random.default_rng(2).standard_normal((3, 5, 16)).astype(np.float32)
+    dense = model.get_layer("sparse24_td").layer.layer
+    groups = dense.kernel.numpy().astype(np.float64).reshape(4, 4, 8)  # 2:4 by magnitude:
+    smallest = np.argsort(np.abs(groups), axis=1, kind="stable")[:, :2]  # the 2 of 4 dropped
+    np.put_along_axis(groups, smallest, 0.0, axis=1)
+    kernel = groups.reshape(16, 8)
+    served = tf_sparse24.load(out).signatures["serving_default"](frames=x)["td"].numpy()
+    np.testing.assert_allclose(served, x @ kernel + dense.bias.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_lambda_layer_model_exports_once_unsafe_loading_is_imported(tmp_path, capsys):
+    """Keras refuses to load a Lambda layer's Python code unless told it is trusted; the CLI says
+    how (an --import module that enables it), and that export then serves the model."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,), name="x")
+    scaled = keras.layers.Lambda(lambda t: t * 2.0, name="double")(inp)
+    model = tf_sparse24.prune(keras.Model(inp, keras.layers.Dense(4, name="out")(scaled)))
+    path = str(tmp_path / "lambda.keras")
+    model.save(path)
+    assert main(["export", path, str(tmp_path / "a" / "1")]) == 1
+    err = capsys.readouterr().err
+    assert "safe_mode" in err and "(here: --import a module that calls keras.config." in err
+    assert not (tmp_path / "a").exists()
+    # In a fresh process: unsafe loading, once enabled, stays on for the rest of it.
+    (tmp_path / "trust_my_file.py").write_text(
+        "import keras\nkeras.config.enable_unsafe_deserialization()\n")
+    out = str(tmp_path / "b" / "1")
+    proc = _cli(tmp_path, "export", path, out, "--import", "trust_my_file")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    dense = model.get_layer("sparse24_out").layer
+    groups = dense.kernel.numpy().astype(np.float64).reshape(2, 4, 4)  # 2:4 by magnitude
+    np.put_along_axis(groups, np.argsort(np.abs(groups), axis=1, kind="stable")[:, :2], 0.0, 1)
+    served = tf_sparse24.load(out).signatures["serving_default"](x=x)["out"].numpy()
+    np.testing.assert_allclose(served, 2.0 * x @ groups.reshape(8, 4) + dense.bias.numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+
 NET_MODULE = '''
 import keras
 import tf_sparse24

@@ -1052,6 +1052,55 @@ def test_automatic_layer_names_do_not_become_signature_keys(tmp_path):
     assert signature_output_names(ends_in_an_op, ends_in_an_op.outputs) == ["output_0"]
 
 
+def test_a_dict_input_models_unnamed_inputs_are_served_under_their_keys(tmp_path):
+    """`keras.Model({"age": keras.Input(...), ...})` without `name=`: the dict keys are the names
+    the model is called with, so they name the signature's inputs (not `input_0`, `input_1`, which
+    a client would have to map back through the sorted key order)."""
+    keras.utils.set_random_seed(0)
+    inputs = {"income": keras.Input((2,)), "age": keras.Input((4,)), "zip-code": keras.Input((2,))}
+    h = keras.layers.Concatenate()([inputs["age"], inputs["income"] * 3.0, inputs["zip-code"]])
+    model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Dense(4, name="score")(h)))
+    metadata = export(model, tmp_path / "1")
+    assert metadata["signature"]["input_order"] == ["age", "income", "zip_code"]
+    rng = np.random.default_rng(3)
+    x = {name: rng.standard_normal((3, t.shape[1])).astype("float32")
+         for name, t in inputs.items()}
+    served = load(tmp_path / "1").signatures["serving_default"](
+        age=x["age"], income=x["income"], zip_code=x["zip-code"])["score"]
+    dense = model.get_layer("sparse24_score").layer
+    want = (np.concatenate([x["age"], 3.0 * x["income"], x["zip-code"]], axis=1).astype(np.float64)
+            @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy())
+    np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+    # verify calls the model with a dict of these names: a served input bound to the wrong key
+    # would show.
+    assert verify(tmp_path / "1", against=model)["input_shapes"] == {
+        "age": [2, 4], "income": [2, 2], "zip_code": [2, 2]}
+
+
+@pytest.mark.parametrize("mode", ["portable", "accelerated"])
+def test_time_distributed_with_an_unknown_number_of_steps_is_refused(tmp_path, mode):
+    """Keras 3.15's TimeDistributed, traced with an unknown time axis, maps its layer over as many
+    steps as the batch has rows (a plain Keras model in a tf.function does the same): such an
+    export would serve [batch, batch, ...] outputs. Refused, naming the layer, nothing written;
+    with the steps known it serves the float64 reference."""
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    frames = keras.Input((None, 16), name="frames")
+    model = tf_sparse24.prune(keras.Model(frames, L.TimeDistributed(L.Dense(8), name="td")(frames)))
+    with pytest.raises(ValueError, match=r"layer 'td' \(TimeDistributed\) .*input shape "
+                                         r"\(None, None, 16\)"):
+        export(model, tmp_path / "m" / "1", mode=mode)
+    assert not (tmp_path / "m").exists()
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 5, 16)).astype("float32")
+    fixed = [tf.TensorSpec([None, 5, 16], tf.float32, name="frames")]
+    export(model, tmp_path / "1", mode=mode, input_signature=fixed)
+    (served,) = load(tmp_path / "1").signatures["serving_default"](frames=x).values()
+    dense = model.get_layer("sparse24_td").layer.layer  # Sparse24(TimeDistributed(Dense))
+    want = x.astype(np.float64) @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy()
+    np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_signature_names_order_and_precision_survive_verify(tmp_path):
     """Inputs not in sorted order, output keys that map to one identifier, and mixed precision
     with a float32 head: served like the Keras model, and `verify --against` agrees."""

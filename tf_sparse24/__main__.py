@@ -178,6 +178,9 @@ def _prune(args: argparse.Namespace) -> None:
 
 def _hint(args: argparse.Namespace, error: Exception) -> str:
     """The command-line spelling of what an export error asks for."""
+    if "safe_mode" in str(error):  # load_model refuses a Lambda layer's Python code by default
+        return (" (here: --import a module that calls "
+                "keras.config.enable_unsafe_deserialization(), only for a file you trust)")
     if args.command != "export":
         return ""
     if "input_signature" in str(error):

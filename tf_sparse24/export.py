@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -126,7 +127,9 @@ def export(
 
     Raises:
         ValueError: bad mode or model, a pruned weight that is not 2:4, a model without any 2:4
-            weight (export a dense model with `model.export` instead), stateful RNN layers.
+            weight (export a dense model with `model.export` instead), stateful RNN layers, a
+            TimeDistributed layer served with an unknown number of time steps (Keras 3.15
+            computes it wrongly in a traced function).
         FileExistsError: `export_dir` exists and `overwrite` is False, or it is a directory
             that is neither empty nor a SavedModel.
     """
@@ -749,7 +752,8 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
         serving, caches, read, wide = _serving_function(
             model, specs, keys, output_names, module, sparse, dense_vars, calls, decompress
         )
-        serving.get_concrete_function()  # traces: fills `read` and `wide`
+        with _time_steps_checked(model):
+            serving.get_concrete_function()  # traces: fills `read` and `wide`
         if not read and not wide:
             break
         # Something besides the layer's call reads the dense kernel (a tied weight): such a
@@ -783,6 +787,50 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
         shutil.rmtree(asset_dir, ignore_errors=True)
     md.write_graph_checksum(directory)
     return metadata
+
+
+@functools.cache
+def _time_distributed_maps_the_batch() -> bool:
+    """Whether this Keras' TimeDistributed, traced with an unknown time axis, maps its layer over
+    as many steps as the batch has rows (Keras 3.15: `ops.arange` of the input's first dimension,
+    read before it is transposed to the time axis). Checked on a tiny layer, so a fixed Keras
+    lifts the refusal below by itself."""
+    layer = keras.layers.TimeDistributed(keras.layers.Identity())
+    traced = tf.function(layer, input_signature=[tf.TensorSpec([None, None, 1])], autograph=False)
+    return traced(tf.zeros([1, 2, 1])).shape[1] != 2
+
+
+@contextlib.contextmanager
+def _time_steps_checked(model: keras.Model):
+    """Refuses (ValueError naming the layer and its input shape) a TimeDistributed layer that the
+    serving function calls with an unknown number of time steps while Keras computes that wrongly
+    (`_time_distributed_maps_the_batch`): the export would serve wrong outputs, silently."""
+    layers = [layer for layer in model._flatten_layers()
+              if isinstance(layer, keras.layers.TimeDistributed)]
+    if not layers or not _time_distributed_maps_the_batch():
+        yield
+        return
+    unknown = []
+
+    def watched(layer):
+        def call(inputs, *args, **kwargs):
+            if inputs.shape.rank is not None and inputs.shape.rank > 1 and inputs.shape[1] is None:
+                unknown.append((layer.name, tuple(inputs.shape)))
+            return type(layer).call(layer, inputs, *args, **kwargs)
+        return call
+
+    with calls_replaced([(layer, watched(layer)) for layer in layers]):
+        yield
+    if unknown:
+        name, shape = unknown[0]
+        raise ValueError(
+            f"layer {name!r} (TimeDistributed) is served with an unknown number of time steps "
+            f"(input shape {shape}): Keras {keras.__version__} then applies its layer as many "
+            "times as the batch has rows, not once per time step (a tf.function of the Keras "
+            "model, and Keras' own model.export, give those wrong outputs too). Give the time "
+            "axis a fixed size: keras.Input((steps, ...)), or export with input_signature="
+            "[tf.TensorSpec([None, steps, ...], dtype, name=...)]."
+        )
 
 
 def _table_resources(model: keras.Model) -> list:

@@ -107,6 +107,11 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
             "input_signature=[tf.TensorSpec(shape, dtype, name=...), ...]"
         ) from e
     defaults = ["inputs"] if len(inputs) == 1 else [f"input_{i}" for i in range(len(inputs))]
+    if isinstance(model.input, dict) and len(model.input) == len(inputs):
+        # A dict's keys (flattened in sorted order) are the names the model is called with: an
+        # input without a chosen name of its own is served under its key.
+        defaults = [_identifier(str(key), default)
+                    for key, default in zip(sorted(model.input), defaults)]
     own = [_identifier(t.name, d) for t, d in zip(inputs, defaults)]
     # "_x" -> "x": TensorFlow renames a leading underscore, then finds the new name clashes. An
     # input named "x" itself keeps "x" (stripped names are made unique last).
