@@ -21,17 +21,21 @@ from tf_sparse24.__main__ import main
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A pruned (wrapped) model saved as .keras and exported by the CLI in a fresh process."""
-    root = tmp_path_factory.mktemp("cli")
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential([
+def _mlp(seed: int) -> keras.Sequential:
+    """A 16 -> 32 -> 8 MLP, "hidden" and "scores", initialized under `seed`."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
         keras.Input((16,), name="features"),
         keras.layers.Dense(32, activation="relu", name="hidden"),
         keras.layers.Dense(8, name="scores"),
     ])  # fmt: skip
-    model = tf_sparse24.prune(model)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A pruned (wrapped) model saved as .keras and exported by the CLI in a fresh process."""
+    root = tmp_path_factory.mktemp("cli")
+    model = tf_sparse24.prune(_mlp(seed=3))
     keras_path = str(root / "model.keras")
     model.save(keras_path)
     export_dir = str(root / "served" / "1")
@@ -50,12 +54,7 @@ def _cli(cwd, *args: str) -> subprocess.CompletedProcess:
 
 def _dense_mlp(path) -> keras.Model:
     """A trained-looking 16 -> 32 -> 8 MLP (random weights and biases), saved as `path`."""
-    keras.utils.set_random_seed(4)
-    model = keras.Sequential([
-        keras.Input((16,), name="features"),
-        keras.layers.Dense(32, activation="relu", name="hidden"),
-        keras.layers.Dense(8, name="scores"),
-    ])  # fmt: skip
+    model = _mlp(seed=4)
     rng = np.random.default_rng(4)
     model.set_weights([rng.standard_normal(w.shape).astype("float32") for w in model.weights])
     model.save(path)
