@@ -460,6 +460,51 @@ def test_matmul_names_the_first_bad_meta_row_whichever_work_unit_meets_it(m):
         ops.sparse24_matmul(x, values, tf.constant(bad))
 
 
+def run_child(code):
+    """Runs `code` in a fresh Python with `ops` and `tf` imported and returns its stdout: an abort
+    in a kernel (a TensorShape CHECK) fails the test instead of killing pytest."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import tensorflow as tf\nfrom tf_sparse24 import ops\n" + code],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, f"child exited with {result.returncode}:\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+# The largest K an int64 holds that is a multiple of 4. An empty weight [K, 0] stored for it is
+# values [0, 2^62 - 2] and meta [0, 2^60]; ceil(K/8) computed as (K + 7) / 8 overflows there.
+BIG_K = 2**63 - 4
+
+
+def test_largest_k_of_an_empty_weight_is_no_overflow():
+    # Compress used to abort (a negative meta width in TensorShape), so it runs in a child.
+    out = run_child(
+        "big = 2**63 - 4\n"
+        "v, m = ops.sparse24_compress(tf.zeros([big, 0]))\n"
+        "print(v.shape.as_list(), m.shape.as_list())\n"
+        "graph = tf.function(ops.sparse24_compress).get_concrete_function(\n"
+        "    tf.TensorSpec([big, 0], tf.float32))\n"
+        "print([s.as_list() for s in graph.output_shapes])\n"
+    )
+    assert out.splitlines() == [
+        f"[0, {2**62 - 2}] [0, {2**60}]", f"[[0, {2**62 - 2}], [0, {2**60}]]"
+    ]
+    # Decompress and MatMul rejected the right meta width (naming a negative one as expected).
+    values, meta = tf.zeros([0, 2**62 - 2]), tf.zeros([0, 2**60], tf.uint8)
+    assert ops.sparse24_decompress(values, meta, BIG_K).shape == (BIG_K, 0)
+    assert ops.sparse24_matmul(tf.zeros([0, BIG_K]), values, meta).shape == (0, 0)
+    graph = tf.function(lambda v, m: ops.sparse24_decompress(v, m, BIG_K)).get_concrete_function(
+        tf.TensorSpec(values.shape, tf.float32), tf.TensorSpec(meta.shape, tf.uint8)
+    )
+    assert graph.output_shapes.as_list() == [BIG_K, 0]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"meta \[N, {2**60}\]"):
+        ops.sparse24_decompress(values, tf.zeros([0, 2**60 - 1], tf.uint8), BIG_K)
+    # A values width whose K (twice it) is past int64 is refused as not matching x, not wrapped.
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"for K=8 values must be \[N, 4\]"):
+        ops.sparse24_matmul(tf.zeros([0, 8]), tf.zeros([0, 2**62 + 2]), tf.zeros([0, 1], tf.uint8))
+
+
 @pytest.mark.parametrize("op", ["matmul", "decompress"])
 def test_bad_meta_is_rejected_naming_row_and_group(op):
     rng = np.random.default_rng(8)

@@ -6,6 +6,7 @@
 #define TF_SPARSE24_CC_TF_SPARSE24_KERNEL_UTIL_H_
 
 #include <cstdint>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -77,7 +78,9 @@ inline absl::Status CheckCompressed(const char* op, const Tensor& values, const 
 inline absl::Status CheckMatMul(const Tensor& x, const Tensor& values, const Tensor& meta) {
   if (x.dims() < 1) return InvalidArgument("Sparse24MatMul: x must be [..., K], got a scalar");
   const int64_t k = x.dim_size(x.dims() - 1);
-  if (values.dims() == 2 && meta.dims() == 2) {
+  // (values' width at most INT64_MAX / 2, so that K = 2 * width does not overflow)
+  if (values.dims() == 2 && meta.dims() == 2 &&
+      values.dim_size(1) <= std::numeric_limits<int64_t>::max() / 2) {
     const int64_t stored_k = values.dim_size(1) * 2;
     if (stored_k != k && meta.dim_size(0) == values.dim_size(0) &&
         meta.dim_size(1) == sparse24::meta_cols(stored_k)) {
