@@ -505,6 +505,23 @@ def test_largest_k_of_an_empty_weight_is_no_overflow():
         ops.sparse24_matmul(tf.zeros([0, 8]), tf.zeros([0, 2**62 + 2]), tf.zeros([0, 1], tf.uint8))
 
 
+def test_matmul_output_past_int64_is_an_error_not_an_abort():
+    # With K = 0, x [2^40, 0] is empty, but y [2^40, 2^30] has 2^70 elements: this aborted the
+    # process in TensorShape::set_dim, so it runs in a child.
+    out = run_child(
+        "try:\n"
+        "    ops.sparse24_matmul(tf.zeros([2**40, 0]), tf.zeros([2**30, 0]),\n"
+        "                        tf.zeros([2**30, 0], tf.uint8))\n"
+        "except tf.errors.InvalidArgumentError as e:\n"
+        "    print(e.message)\n"
+    )
+    assert "Sparse24MatMul: the output [..., N] for x [1099511627776,0] and N=1073741824 would " \
+           "have more elements than int64 holds" in out, out
+    # Up to int64, the empty sum is zeros as before.
+    y = ops.sparse24_matmul(tf.zeros([3, 0]), tf.zeros([5, 0]), tf.zeros([5, 0], tf.uint8))
+    np.testing.assert_array_equal(y.numpy(), np.zeros((3, 5), np.float32))
+
+
 @pytest.mark.parametrize("op", ["matmul", "decompress"])
 def test_bad_meta_is_rejected_naming_row_and_group(op):
     rng = np.random.default_rng(8)
