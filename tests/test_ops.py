@@ -522,6 +522,36 @@ def test_matmul_output_past_int64_is_an_error_not_an_abort():
     np.testing.assert_array_equal(y.numpy(), np.zeros((3, 5), np.float32))
 
 
+def test_matmul_out_of_memory_is_resource_exhausted_not_a_crash():
+    # The CPU kernel's float32 copy / packed panels of x (128-206 MiB here) come from new; under an
+    # address-space limit 48 MiB above the process's current size, std::bad_alloc used to unwind
+    # through TensorFlow and kill the process (SIGSEGV in pybind11). In a child, for that reason.
+    out = run_child(
+        "import resource\n"
+        "m, k, n = 4096, 8192, 16\n"
+        "x = tf.zeros([m, k], tf.bfloat16)\n"
+        "values = tf.zeros([n, k // 2], tf.bfloat16)\n"
+        "meta = tf.fill([n, k // 8], tf.constant(0x44, tf.uint8))\n"
+        "for isa in ('scalar', 'auto'):\n"
+        "    ops.set_cpu_isa(isa)\n"
+        "    ops.sparse24_matmul(x[:8], values, meta)  # the pool's threads, the small buffers\n"
+        "    status = open('/proc/self/status').read()\n"
+        "    vm = int(status.split('VmSize:')[1].split()[0]) * 1024\n"
+        "    resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), resource.RLIM_INFINITY))\n"
+        "    try:\n"
+        "        ops.sparse24_matmul(x, values, meta)\n"
+        "        print(isa, 'no error')\n"
+        "    except tf.errors.ResourceExhaustedError as e:\n"
+        "        print(isa, e.message)\n"
+        "    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)\n"
+        "    print(isa, ops.sparse24_matmul(x, values, meta).shape.as_list())\n"
+    )
+    for isa in ("scalar", "auto"):
+        assert re.search(rf"^{isa} .*Sparse24MatMul: out of memory for the float32 copy or "
+                         r"packed panels of x \[4096,8192\]", out, re.M), out
+        assert f"{isa} [4096, 16]" in out, out  # and the next call, with memory, runs
+
+
 @pytest.mark.parametrize("op", ["matmul", "decompress"])
 def test_bad_meta_is_rejected_naming_row_and_group(op):
     rng = np.random.default_rng(8)
