@@ -460,6 +460,98 @@ def test_matmul_names_the_first_bad_meta_row_whichever_work_unit_meets_it(m):
         ops.sparse24_matmul(x, values, tf.constant(bad))
 
 
+def run_child(code):
+    """Runs `code` in a fresh Python with `ops` and `tf` imported and returns its stdout: an abort
+    in a kernel (a TensorShape CHECK) fails the test instead of killing pytest."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import tensorflow as tf\nfrom tf_sparse24 import ops\n" + code],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, f"child exited with {result.returncode}:\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+# The largest K an int64 holds that is a multiple of 4. An empty weight [K, 0] stored for it is
+# values [0, 2^62 - 2] and meta [0, 2^60]; ceil(K/8) computed as (K + 7) / 8 overflows there.
+BIG_K = 2**63 - 4
+
+
+def test_largest_k_of_an_empty_weight_is_no_overflow():
+    # Compress used to abort (a negative meta width in TensorShape), so it runs in a child.
+    out = run_child(
+        "big = 2**63 - 4\n"
+        "v, m = ops.sparse24_compress(tf.zeros([big, 0]))\n"
+        "print(v.shape.as_list(), m.shape.as_list())\n"
+        "graph = tf.function(ops.sparse24_compress).get_concrete_function(\n"
+        "    tf.TensorSpec([big, 0], tf.float32))\n"
+        "print([s.as_list() for s in graph.output_shapes])\n"
+    )
+    assert out.splitlines() == [
+        f"[0, {2**62 - 2}] [0, {2**60}]", f"[[0, {2**62 - 2}], [0, {2**60}]]"
+    ]
+    # Decompress and MatMul rejected the right meta width (naming a negative one as expected).
+    values, meta = tf.zeros([0, 2**62 - 2]), tf.zeros([0, 2**60], tf.uint8)
+    assert ops.sparse24_decompress(values, meta, BIG_K).shape == (BIG_K, 0)
+    assert ops.sparse24_matmul(tf.zeros([0, BIG_K]), values, meta).shape == (0, 0)
+    graph = tf.function(lambda v, m: ops.sparse24_decompress(v, m, BIG_K)).get_concrete_function(
+        tf.TensorSpec(values.shape, tf.float32), tf.TensorSpec(meta.shape, tf.uint8)
+    )
+    assert graph.output_shapes.as_list() == [BIG_K, 0]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"meta \[N, {2**60}\]"):
+        ops.sparse24_decompress(values, tf.zeros([0, 2**60 - 1], tf.uint8), BIG_K)
+    # A values width whose K (twice it) is past int64 is refused as not matching x, not wrapped.
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"for K=8 values must be \[N, 4\]"):
+        ops.sparse24_matmul(tf.zeros([0, 8]), tf.zeros([0, 2**62 + 2]), tf.zeros([0, 1], tf.uint8))
+
+
+def test_matmul_output_past_int64_is_an_error_not_an_abort():
+    # With K = 0, x [2^40, 0] is empty, but y [2^40, 2^30] has 2^70 elements: this aborted the
+    # process in TensorShape::set_dim, so it runs in a child.
+    out = run_child(
+        "try:\n"
+        "    ops.sparse24_matmul(tf.zeros([2**40, 0]), tf.zeros([2**30, 0]),\n"
+        "                        tf.zeros([2**30, 0], tf.uint8))\n"
+        "except tf.errors.InvalidArgumentError as e:\n"
+        "    print(e.message)\n"
+    )
+    assert "Sparse24MatMul: the output [..., N] for x [1099511627776,0] and N=1073741824 would " \
+           "have more elements than int64 holds" in out, out
+    # Up to int64, the empty sum is zeros as before.
+    y = ops.sparse24_matmul(tf.zeros([3, 0]), tf.zeros([5, 0]), tf.zeros([5, 0], tf.uint8))
+    np.testing.assert_array_equal(y.numpy(), np.zeros((3, 5), np.float32))
+
+
+def test_matmul_out_of_memory_is_resource_exhausted_not_a_crash():
+    # The CPU kernel's float32 copy / packed panels of x (128-206 MiB here) come from new; under an
+    # address-space limit 48 MiB above the process's current size, std::bad_alloc used to unwind
+    # through TensorFlow and kill the process (SIGSEGV in pybind11). In a child, for that reason.
+    out = run_child(
+        "import resource\n"
+        "m, k, n = 4096, 8192, 16\n"
+        "x = tf.zeros([m, k], tf.bfloat16)\n"
+        "values = tf.zeros([n, k // 2], tf.bfloat16)\n"
+        "meta = tf.fill([n, k // 8], tf.constant(0x44, tf.uint8))\n"
+        "for isa in ('scalar', 'auto'):\n"
+        "    ops.set_cpu_isa(isa)\n"
+        "    ops.sparse24_matmul(x[:8], values, meta)  # the pool's threads, the small buffers\n"
+        "    status = open('/proc/self/status').read()\n"
+        "    vm = int(status.split('VmSize:')[1].split()[0]) * 1024\n"
+        "    resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), resource.RLIM_INFINITY))\n"
+        "    try:\n"
+        "        ops.sparse24_matmul(x, values, meta)\n"
+        "        print(isa, 'no error')\n"
+        "    except tf.errors.ResourceExhaustedError as e:\n"
+        "        print(isa, e.message)\n"
+        "    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)\n"
+        "    print(isa, ops.sparse24_matmul(x, values, meta).shape.as_list())\n"
+    )
+    for isa in ("scalar", "auto"):
+        assert re.search(rf"^{isa} .*Sparse24MatMul: out of memory for the float32 copy or "
+                         r"packed panels of x \[4096,8192\]", out, re.M), out
+        assert f"{isa} [4096, 16]" in out, out  # and the next call, with memory, runs
+
+
 @pytest.mark.parametrize("op", ["matmul", "decompress"])
 def test_bad_meta_is_rejected_naming_row_and_group(op):
     rng = np.random.default_rng(8)

@@ -15,7 +15,9 @@
 
 namespace sparse24 {
 
-inline int64_t meta_cols(int64_t k) { return (k + 7) / 8; }
+// ceil(K/8) for K >= 0, without the K + 7 that overflows int64 at K = 2^63 - 4 (a valid K for an
+// empty weight: values [0, K/2], meta [0, 2^60]).
+inline int64_t meta_cols(int64_t k) { return k / 8 + (k % 8 != 0 ? 1 : 0); }
 
 // dense [K, N] -> values [N, K/2], meta [N, ceil(K/8)]. Precondition: K % 4 == 0. On a group with
 // more than two non-zeros returns a message naming the first one in W's memory order (group g, then

@@ -6,6 +6,7 @@
 #define TF_SPARSE24_CC_TF_SPARSE24_KERNEL_UTIL_H_
 
 #include <cstdint>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -77,7 +78,9 @@ inline absl::Status CheckCompressed(const char* op, const Tensor& values, const 
 inline absl::Status CheckMatMul(const Tensor& x, const Tensor& values, const Tensor& meta) {
   if (x.dims() < 1) return InvalidArgument("Sparse24MatMul: x must be [..., K], got a scalar");
   const int64_t k = x.dim_size(x.dims() - 1);
-  if (values.dims() == 2 && meta.dims() == 2) {
+  // (values' width at most INT64_MAX / 2, so that K = 2 * width does not overflow)
+  if (values.dims() == 2 && meta.dims() == 2 &&
+      values.dim_size(1) <= std::numeric_limits<int64_t>::max() / 2) {
     const int64_t stored_k = values.dim_size(1) * 2;
     if (stored_k != k && meta.dim_size(0) == values.dim_size(0) &&
         meta.dim_size(1) == sparse24::meta_cols(stored_k)) {
@@ -91,12 +94,18 @@ inline absl::Status CheckMatMul(const Tensor& x, const Tensor& values, const Ten
 }
 
 // Sparse24MatMul's x [..., K] (at least 1-D): the output shape [..., N] and the row count M, the
-// product of the batch dims (NumElements / K would be 0 when K = 0).
-inline void MatMulShapes(const Tensor& x, int64_t n, TensorShape* y_shape, int64_t* m) {
+// product of the batch dims (NumElements / K would be 0 when K = 0). With K = 0, x is empty
+// whatever its batch dims, so [..., N] can have more elements than int64 holds: InvalidArgument
+// (TensorShape::set_dim would abort the process).
+inline absl::Status MatMulShapes(const Tensor& x, int64_t n, TensorShape* y_shape, int64_t* m) {
   *m = 1;
   for (int d = 0; d + 1 < x.dims(); ++d) *m *= x.dim_size(d);
   *y_shape = x.shape();
-  y_shape->set_dim(x.dims() - 1, n);
+  if (!y_shape->SetDimWithStatus(x.dims() - 1, n).ok()) {
+    return InvalidArgument("Sparse24MatMul: the output [..., N] for x ", x.shape().DebugString(),
+                           " and N=", n, " would have more elements than int64 holds");
+  }
+  return absl::OkStatus();
 }
 
 // Sparse24Compress: dense [K, N] -> values [N, K/2], meta [N, ceil(K/8)].
@@ -164,7 +173,7 @@ class MatMulKernel : public OpKernel {
     const int64_t n = values.dim_size(0);
     TensorShape y_shape;
     int64_t m;
-    MatMulShapes(x, n, &y_shape, &m);
+    OP_REQUIRES_OK(ctx, MatMulShapes(x, n, &y_shape, &m));
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y_shape, &y));
     MatMul(ctx, x, values, meta, m, k, n, y);

@@ -2,6 +2,7 @@
 // (cc/sparse24/) on TensorFlow's intra-op thread pool, under the input checks and output allocation
 // shared with the GPU kernels (sparse24_kernel_util.h).
 #include <cstdlib>
+#include <new>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -109,8 +110,20 @@ class Sparse24MatMulOp : public sparse24_kernels::MatMulKernel {
     args.y = y->flat<T>().data();
     args.ldy = n;
     // Validates meta as it goes (InvalidArgument naming the first bad row and group); NaN/inf in x
-    // propagate as in a dense matmul.
-    const std::string error = sparse24::spmm(args, isa, PoolParallelFor(ctx));
+    // propagate as in a dense matmul. The core allocates x's float32 copy or packed panels with
+    // new on this thread: std::bad_alloc, left to propagate, unwinds through TensorFlow's executor
+    // and kills the process, so it becomes ResourceExhausted.
+    std::string error;
+    bool out_of_memory = false;
+    try {
+      error = sparse24::spmm(args, isa, PoolParallelFor(ctx));
+    } catch (const std::bad_alloc&) {
+      out_of_memory = true;
+    }
+    OP_REQUIRES(ctx, !out_of_memory,
+                absl::ResourceExhaustedError(absl::StrCat(
+                    "Sparse24MatMul: out of memory for the float32 copy or packed panels of x ",
+                    x.shape().DebugString())));
     OP_REQUIRES(ctx, error.empty(), InvalidArgument("Sparse24MatMul: ", error));
   }
 };

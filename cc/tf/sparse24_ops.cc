@@ -18,6 +18,9 @@ absl::Status InvalidArgument(const Args&... args) {
   return absl::InvalidArgumentError(absl::StrCat(args...));
 }
 
+// ceil(K/8) for K >= 0 (sparse24::meta_cols; K + 7 would overflow at K = 2^63 - 4).
+int64_t MetaCols(int64_t k) { return k / 8 + (k % 8 != 0 ? 1 : 0); }
+
 // Checks the [N, K/2] values and [N, ceil(K/8)] meta shapes against K (when known); sets *n.
 absl::Status MergeCompressed(InferenceContext* c, int values_index, int64_t k, DimensionHandle* n) {
   ShapeHandle values, meta;
@@ -30,7 +33,7 @@ absl::Status MergeCompressed(InferenceContext* c, int values_index, int64_t k, D
   }
   DimensionHandle unused;
   TF_RETURN_IF_ERROR(c->WithValue(c->Dim(values, 1), k / 2, &unused));
-  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(meta, 1), (k + 7) / 8, &unused));
+  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(meta, 1), MetaCols(k), &unused));
   return absl::OkStatus();
 }
 
@@ -57,7 +60,7 @@ REGISTER_OP("Sparse24Compress")
             c->DebugString(dense));
       }
       c->set_output(0, c->MakeShape({n, c->MakeDim(kv / 2)}));
-      c->set_output(1, c->MakeShape({n, c->MakeDim((kv + 7) / 8)}));
+      c->set_output(1, c->MakeShape({n, c->MakeDim(MetaCols(kv))}));
       return absl::OkStatus();
     })
     .Doc(R"doc(
