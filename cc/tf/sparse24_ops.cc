@@ -1,6 +1,7 @@
 // Registrations and shape functions of the sparse24 ops (device-agnostic; kernels live elsewhere).
 // Format: docs/FORMAT.md. W [K, N] <-> values [N, K/2] + meta [N, ceil(K/8)] uint8.
 #include "absl/strings/str_cat.h"
+#include "cc/sparse24/format.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -18,9 +19,6 @@ absl::Status InvalidArgument(const Args&... args) {
   return absl::InvalidArgumentError(absl::StrCat(args...));
 }
 
-// ceil(K/8) for K >= 0 (sparse24::meta_cols; K + 7 would overflow at K = 2^63 - 4).
-int64_t MetaCols(int64_t k) { return k / 8 + (k % 8 != 0 ? 1 : 0); }
-
 // Checks the [N, K/2] values and [N, ceil(K/8)] meta shapes against K (when known); sets *n.
 absl::Status MergeCompressed(InferenceContext* c, int values_index, int64_t k, DimensionHandle* n) {
   ShapeHandle values, meta;
@@ -33,7 +31,7 @@ absl::Status MergeCompressed(InferenceContext* c, int values_index, int64_t k, D
   }
   DimensionHandle unused;
   TF_RETURN_IF_ERROR(c->WithValue(c->Dim(values, 1), k / 2, &unused));
-  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(meta, 1), MetaCols(k), &unused));
+  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(meta, 1), sparse24::meta_cols(k), &unused));
   return absl::OkStatus();
 }
 
@@ -60,7 +58,7 @@ REGISTER_OP("Sparse24Compress")
             c->DebugString(dense));
       }
       c->set_output(0, c->MakeShape({n, c->MakeDim(kv / 2)}));
-      c->set_output(1, c->MakeShape({n, c->MakeDim(MetaCols(kv))}));
+      c->set_output(1, c->MakeShape({n, c->MakeDim(sparse24::meta_cols(kv))}));
       return absl::OkStatus();
     })
     .Doc(R"doc(
