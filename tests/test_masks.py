@@ -163,3 +163,26 @@ def test_is_nm_sparse():
     w = np.zeros((4, 4), np.float32)
     w[0, :3] = 1  # three non-zeros in a row: fine along axis 0, not along axis 1
     assert is_nm_sparse(w, axis=0) and not is_nm_sparse(w, axis=1)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64"])
+@pytest.mark.parametrize("m", [4, 20])  # pairwise comparisons; a sort (M > PAIRWISE_MAX_M)
+def test_signed_integer_minimum_is_the_largest_magnitude(dtype, m):
+    """`tf.abs` of the most negative integer overflows to itself: it must still rank first."""
+    low, high = np.iinfo(dtype).min, np.iinfo(dtype).max
+    w = np.zeros((m, 1), dtype)
+    w[:4, 0] = [3, low, 1, high]
+    np.testing.assert_array_equal(compute_mask(w, f"2:{m}").numpy().ravel()[:4], [0, 1, 0, 1])
+    ref = np.abs(w.astype(object)).ravel()  # exact magnitudes (Python ints)
+    assert sorted(range(m), key=lambda i: (-ref[i], i))[:2] == [1, 3]
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "uint32", "uint64", "bool"])
+def test_unsigned_and_bool_weights_are_their_own_magnitude(dtype):
+    w = np.array([[1], [0], [1], [1], [0], [1], [0], [1]]).astype(dtype)
+    if dtype != "bool":
+        w[3, 0] = np.iinfo(dtype).max
+    mask = compute_mask(w).numpy()
+    assert mask.dtype == np.dtype(dtype)
+    expected = [1, 0, 0, 1, 0, 1, 0, 1] if dtype != "bool" else [1, 0, 1, 0, 0, 1, 0, 1]
+    np.testing.assert_array_equal(mask.ravel().astype(int), expected)

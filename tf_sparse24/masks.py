@@ -64,8 +64,8 @@ def magnitude_mask(groups: tf.Tensor, n: int) -> tf.Tensor:
         A boolean tensor shaped like `groups`.
     """
     if groups.shape[1] > PAIRWISE_MAX_M:
-        return _sorted_rank(tf.abs(groups)) < n
-    mag = tf.unstack(tf.abs(groups), axis=1)
+        return _sorted_rank(magnitude(groups)) < n
+    mag = tf.unstack(magnitude(groups), axis=1)
     beaten_by = [tf.zeros_like(mag[0], dtype=tf.int32) for _ in mag]
     for i in range(len(mag)):
         for j in range(i + 1, len(mag)):
@@ -73,6 +73,22 @@ def magnitude_mask(groups: tf.Tensor, n: int) -> tf.Tensor:
             beaten_by[j] += i_wins
             beaten_by[i] += 1 - i_wins
     return tf.stack([count < n for count in beaten_by], axis=1)
+
+
+_UNSIGNED = {tf.int8: tf.uint8, tf.int16: tf.uint16, tf.int32: tf.uint32, tf.int64: tf.uint64}
+
+
+def magnitude(w: tf.Tensor) -> tf.Tensor:
+    """`|w|`, exact for every dtype: a signed integer's magnitude in the unsigned type of its
+    width (`tf.abs` of int8 -128 is -128, which would rank the largest magnitude last), unsigned
+    integers as they are, bools as 0/1."""
+    if w.dtype == tf.bool:
+        return tf.cast(w, tf.uint8)
+    if w.dtype.is_unsigned:
+        return w
+    if w.dtype in _UNSIGNED:
+        return tf.bitcast(tf.abs(w), _UNSIGNED[w.dtype])
+    return tf.abs(w)
 
 
 def _sorted_rank(mag: tf.Tensor) -> tf.Tensor:
@@ -169,7 +185,8 @@ def compute_mask(
     """Computes an N:M mask for `weight` along `axis` (groups of M consecutive elements).
 
     Args:
-        weight: a tensor or variable of any rank.
+        weight: a tensor or variable of any rank and any real dtype (floating point, signed or
+            unsigned integer, bool), ranked by exact magnitude (int8 -128 is the largest).
         pattern: "N:M", keep N of every M.
         axis: grouping axis (the layer's reduction axis, see DESIGN.md contract 1).
         method: a key of `MASK_METHODS`.
