@@ -309,9 +309,13 @@ def test_prune_wrapper_partial_and_bad_arguments():
     assert tf_sparse24.prune(model).layers[0].__class__ is Sparse24  # default unchanged
     with pytest.raises(TypeError, match="wrapper"):
         tf_sparse24.prune(model, wrapper=keras.layers.Dense)
-    for bad in (-1.0, float("nan"), "2e-4", True):
+    for bad in (-1.0, float("nan"), "2e-4", True, np.bool_(True), np.float32("inf")):
         with pytest.raises(ValueError, match=r"SRSTE\('dense\w*'\): decay must be"):
             SRSTE(keras.layers.Dense(2), decay=bad)
+    # numpy scalars (a sweep over np.linspace(..., dtype="float32"), np.int64(0)) are numbers too
+    for good, value in ((np.float32(1e-3), float(np.float32(1e-3))), (np.int64(0), 0.0)):
+        layer = SRSTE(keras.layers.Dense(2), decay=good)
+        assert layer.decay == value and type(layer.get_config()["decay"]) is float
 
 
 def test_nested_variables_and_mixed_precision():

@@ -15,8 +15,10 @@ with `add_loss` in training, so it goes through loss scaling and distribution li
 from __future__ import annotations
 
 import math
+import numbers
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_sparse24.masks import DEFAULT_METHOD, compute_mask
@@ -60,8 +62,8 @@ class SRSTE(Sparse24):
         **kwargs,
     ):
         if (
-            isinstance(decay, bool)
-            or not isinstance(decay, (int, float))
+            isinstance(decay, (bool, np.bool_))
+            or not isinstance(decay, numbers.Real)  # numpy scalars too (np.float32(1e-4))
             or not (math.isfinite(decay) and decay >= 0)
         ):
             raise ValueError(
