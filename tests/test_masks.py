@@ -186,3 +186,13 @@ def test_unsigned_and_bool_weights_are_their_own_magnitude(dtype):
     assert mask.dtype == np.dtype(dtype)
     expected = [1, 0, 0, 1, 0, 1, 0, 1] if dtype != "bool" else [1, 0, 1, 0, 0, 1, 0, 1]
     np.testing.assert_array_equal(mask.ravel().astype(int), expected)
+
+
+@pytest.mark.parametrize("axis", [1.0, True, "1", None])
+def test_an_axis_that_is_not_an_integer_is_named(axis):
+    w = np.ones((4, 4), np.float32)
+    for check in (compute_mask, is_nm_sparse):
+        message = rf"integer axis for weight .*\(4, 4\)\. Received: axis={axis!r}"
+        with pytest.raises(TypeError, match=message):
+            check(w, axis=axis)
+    np.testing.assert_array_equal(compute_mask(w, axis=np.int64(1)), compute_mask(w, axis=1))

@@ -14,6 +14,7 @@ magnitudes the element with the lower index along the grouping axis ranks higher
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Callable
 
@@ -131,7 +132,10 @@ def _groups_shape(shape: tuple, m: int, axis: int, label: str) -> tuple[int, int
     if shape is None or None in shape:
         raise ValueError(f"Weight {label} has shape {shape}: masks need a fully known shape "
                          "(in a tf.function, give the input_signature the weight's shape).")
-    rank = len(shape)
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"Expected an integer axis for weight {label} with shape {shape}. "
+                        f"Received: axis={axis!r}")
+    axis, rank = int(axis), len(shape)
     if rank == 0 or not -rank <= axis < rank:
         raise ValueError(f"Axis {axis} is out of range for weight {label} with shape {shape}.")
     axis %= rank
@@ -198,6 +202,7 @@ def compute_mask(
     Raises:
         ValueError: bad pattern or method, `shape[axis] % M != 0`, or NaN/Inf weights (eager; in a
             graph a NaN/Inf raises `tf.errors.InvalidArgumentError` naming the weight).
+        TypeError: `axis` is not an integer (a bool is refused too).
 
     Example:
         >>> compute_mask(tf.constant([[4.0], [1.0], [-3.0], [2.0]])).numpy().ravel()
