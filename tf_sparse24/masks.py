@@ -65,8 +65,8 @@ def magnitude_mask(groups: tf.Tensor, n: int) -> tf.Tensor:
         A boolean tensor shaped like `groups`.
     """
     if groups.shape[1] > PAIRWISE_MAX_M:
-        return _sorted_rank(magnitude(groups)) < n
-    mag = tf.unstack(magnitude(groups), axis=1)
+        return _sorted_rank(_magnitude(groups)) < n
+    mag = tf.unstack(_magnitude(groups), axis=1)
     beaten_by = [tf.zeros_like(mag[0], dtype=tf.int32) for _ in mag]
     for i in range(len(mag)):
         for j in range(i + 1, len(mag)):
@@ -79,7 +79,7 @@ def magnitude_mask(groups: tf.Tensor, n: int) -> tf.Tensor:
 _UNSIGNED = {tf.int8: tf.uint8, tf.int16: tf.uint16, tf.int32: tf.uint32, tf.int64: tf.uint64}
 
 
-def magnitude(w: tf.Tensor) -> tf.Tensor:
+def _magnitude(w: tf.Tensor) -> tf.Tensor:
     """`|w|`, exact for every dtype: a signed integer's magnitude in the unsigned type of its
     width (`tf.abs` of int8 -128 is -128, which would rank the largest magnitude last), unsigned
     integers as they are, bools as 0/1."""
