@@ -150,6 +150,11 @@ def test_bad_input_is_refused_before_anything_changes():
     forever = tf.data.Dataset.from_tensors(np.ones((8, 6, 6, 4), "float32")).repeat()
     with pytest.raises(ValueError, match="infinite dataset .* pass steps="):
         tf_sparse24.recalibrate_batch_norm(model, forever)
+    examples = tf.data.Dataset.from_tensor_slices(np.ones((8, 6, 6, 4), "float32"))
+    for unbatched in (examples, tf.data.Dataset.zip(examples, examples.map(lambda e: e[0, 0]))):
+        with pytest.raises(ValueError, match=r"dataset of single examples \(element shapes "
+                                             r"\[\(6, 6, 4\)\]; .* batch it, e.g. x.batch\(32\)"):
+            tf_sparse24.recalibrate_batch_norm(model, unbatched)
     renorm = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(renorm=True,
                                                                                   name="rn")])
     with pytest.raises(ValueError, match=r"\['rn'\] use renorm=True"):

@@ -62,13 +62,24 @@ def _check_input_arrays(model: keras.Model, x) -> None:
             "targets), or batches as a tf.data.Dataset or an iterator (iter(list_of_batches)).")
 
 
-def _check_finite_input(x, steps: int | None) -> None:
-    """Refuses a dataset known to repeat forever (`ds.repeat()`, as fed to `fit(steps_per_epoch=
-    ...)`) without `steps`: the loop over it would never end."""
-    if (steps is None and isinstance(x, tf.data.Dataset)
-            and int(x.cardinality()) == int(tf.data.INFINITE_CARDINALITY)):
+def _check_dataset(model: keras.Model, x, steps: int | None) -> None:
+    """Refuses a tf.data.Dataset known to repeat forever (`ds.repeat()`, as fed to
+    `fit(steps_per_epoch=...)`) without `steps`: the loop over it would never end; and one of
+    single examples (not batched): each element has one axis less than the model's inputs."""
+    if not isinstance(x, tf.data.Dataset):
+        return
+    if steps is None and int(x.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise ValueError("recalibrate_batch_norm(): x is an infinite dataset (it repeats "
                          "forever); pass steps=, the number of batches to use.")
+    spec = x.element_spec[0] if isinstance(x.element_spec, tuple) else x.element_spec
+    given = [s.shape.rank for s in keras.tree.flatten(spec)]
+    wanted = [len(t.shape) for t in getattr(model, "inputs", None) or []]
+    if len(given) == len(wanted) and None not in given and all(
+            g == w - 1 for g, w in zip(given, wanted)):
+        raise ValueError(
+            f"recalibrate_batch_norm(): x is a dataset of single examples (element shapes "
+            f"{[tuple(s.shape) for s in keras.tree.flatten(spec)]}; model {model.name!r} takes "
+            f"{[tuple(t.shape) for t in model.inputs]}): batch it, e.g. x.batch(32).")
 
 
 def _input_batches(x, batch_size: int) -> Iterable:
@@ -178,7 +189,7 @@ def recalibrate_batch_norm(
         warnings.warn(f"model {model.name!r} has no BatchNormalization layer: nothing to do.",
                       stacklevel=2)
         return []
-    _check_finite_input(x, steps)
+    _check_dataset(model, x, steps)
     saved = [(layer.momentum, layer.trainable, layer.moving_mean.numpy(),
               layer.moving_variance.numpy()) for layer in layers]
     # Everything else a training-mode forward writes (SpectralNormalization's kernel and power
