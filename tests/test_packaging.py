@@ -1,5 +1,6 @@
 """The source distribution carries what a build from it needs (a practitioner's `pip install`
-of the sdist compiles the op library from cc/), and `make ops` rebuilds the library when needed."""
+of the sdist compiles the op library from cc/), `make ops` rebuilds the library when needed, and the
+package refuses to import on a Keras backend other than TensorFlow."""
 
 import os
 import shutil
@@ -85,3 +86,22 @@ def test_make_ops_rebuilds_for_another_tensorflow_or_a_gpu_build(tmp_path):
     assert make(tf_version="2.22.0") == []
     os.utime(tree / "cc" / "a.cc")
     assert make(tf_version="2.22.0") == [build.format("")]  # a changed source, as before
+
+
+def test_import_on_another_keras_backend_says_how_to_switch():
+    """JAX/torch are not installed here, so Keras is made to report another backend in a fresh
+    process; the import must fail at once with the fix, before any module of the package loads."""
+    code = (
+        "import sys, keras\n"
+        "keras.backend.backend = lambda: 'jax'\n"
+        "try:\n"
+        "    import tf_sparse24\n"
+        "except ImportError as e:\n"
+        "    print('ERROR', e)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tf_sparse24.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout
+    assert "ERROR tf_sparse24 needs Keras' TensorFlow backend" in out
+    assert "'jax' backend" in out and "KERAS_BACKEND=tensorflow" in out
+    assert out.strip().endswith("[]"), out

@@ -4,6 +4,16 @@ Prune a trained model to 2:4 by magnitude, fine-tune it with masks held fixed, a
 compressed weights. The package reads top-down: masks -> wrapper -> prune -> callback -> ops -> export.
 """
 
+import keras
+
+if keras.backend.backend() != "tensorflow":
+    # The wrapper's masked forward, the ops and the exporter are TensorFlow code: refuse here rather
+    # than fail later inside a layer's call with another backend's tensors.
+    raise ImportError(
+        "tf_sparse24 needs Keras' TensorFlow backend; Keras is running on the "
+        f"{keras.backend.backend()!r} backend. Set KERAS_BACKEND=tensorflow (or \"backend\": "
+        "\"tensorflow\" in ~/.keras/keras.json) before keras is first imported.")
+
 from tf_sparse24.masks import MASK_METHODS, compute_mask, is_nm_sparse, parse_pattern
 from tf_sparse24.wrapper import PrunedWeight, Sparse24
 from tf_sparse24.registry import eligible_weights
