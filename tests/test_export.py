@@ -697,6 +697,42 @@ def test_xla_compiles_a_portable_export_and_refuses_an_accelerated_one(tmp_path)
         tf.function(lambda x: accelerated(features=x), jit_compile=True)(x)
 
 
+def test_tflite_converts_a_portable_export_and_refuses_an_accelerated_one(tmp_path):
+    # docs/EXPORT.md "TensorFlow Lite": the converter folds the portable decompression into dense
+    # constants; with Optimize.EXPERIMENTAL_SPARSITY TFLite stores the 2:4 kernels in its own
+    # sparse encoding. The custom op has no TFLite kernel, so an accelerated export is refused.
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((256,), name="features"),
+                              keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+    prune_plain_layers(model)
+    x = np.random.default_rng(7).standard_normal((1, 256)).astype(np.float32)
+    (w1, b1), (w2, b2) = ([np.asarray(v, np.float64) for v in layer.get_weights()]
+                          for layer in model.layers)
+    expected = np.maximum(x @ w1 + b1, 0) @ w2 + b2  # float64 reference
+    for mode in ("portable", "accelerated"):
+        export(model, tmp_path / mode / "1", mode=mode)
+
+    sizes = {}
+    for sparsity in (False, True):
+        converter = tf.lite.TFLiteConverter.from_saved_model(str(tmp_path / "portable" / "1"))
+        if sparsity:
+            converter.optimizations = [tf.lite.Optimize.EXPERIMENTAL_SPARSITY]
+        blob = converter.convert()
+        sizes[sparsity] = len(blob)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # tf.lite.Interpreter -> LiteRT notice
+            runner = tf.lite.Interpreter(model_content=blob).get_signature_runner("serving_default")
+        (out,) = runner(features=x).values()
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    dense_bytes = 4 * (256 * 128 + 128 * 10)
+    assert sizes[False] > dense_bytes  # folded back to dense constants
+    assert sizes[True] < 0.8 * sizes[False]
+
+    converter = tf.lite.TFLiteConverter.from_saved_model(str(tmp_path / "accelerated" / "1"))
+    with pytest.raises(Exception, match="Sparse24MatMul' op is neither a custom op nor a flex op"):
+        converter.convert()
+
+
 RELOAD_SCRIPT = """
 import gc, json, sys
 import numpy as np, tensorflow as tf
