@@ -221,9 +221,10 @@ def _masks(model):
     ]
 
 
-def test_keras_file_round_trip(tmp_path):
+@pytest.mark.parametrize("suffix", [".keras", ".h5"])  # .h5: Keras' legacy whole-model format
+def test_keras_file_round_trip(suffix, tmp_path):
     model = _masked_model()
-    path = str(tmp_path / "m.keras")
+    path = str(tmp_path / f"m{suffix}")
     model.save(path)
     loaded = keras.models.load_model(
         path
