@@ -21,8 +21,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sparse24.masked_call import stored_value
 from tf_sparse24.masks import DEFAULT_METHOD, compute_mask
-from tf_sparse24.wrapper import PrunedWeight, Sparse24, stored_value
+from tf_sparse24.wrapper import PrunedWeight, Sparse24
 
 DEFAULT_DECAY = 2e-4  # the paper's lambda_W
 

@@ -21,8 +21,18 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.common import global_state  # where Keras keeps its autocast scope
 
+from tf_sparse24.masked_call import (
+    MaskedConstraint,
+    MaskedRegularizer,
+    RecordingScope,
+    calls_not_rematerialized,
+    is_data,
+    rematerializes_call,
+    stored_value,
+    symbolic_stand_in,
+    without_autocast,
+)
 from tf_sparse24.masks import (
     DEFAULT_METHOD,
     _mask_method,
@@ -48,55 +58,6 @@ class PrunedWeight:
     mask: keras.Variable
     axis: int
     pattern: str
-
-
-class _RecordingScope(keras.StatelessScope):
-    """A `StatelessScope` that remembers every variable the layer assigned inside it, and collects
-    the losses it added.
-
-    `call` passes both on afterwards: RNG seeds, moving statistics, stateful RNNs' states (which
-    Keras keeps out of `layer.variables`), and `add_loss` / activity-regularizer losses (which a
-    non-collecting scope would drop).
-    """
-
-    def __init__(self, state_mapping):
-        super().__init__(state_mapping=state_mapping, collect_losses=True)
-        self.assigned: dict[int, keras.Variable] = {}
-
-    def add_update(self, update):
-        self.assigned[id(update[0])] = update[0]
-        super().add_update(update)
-
-
-class _MaskedRegularizer:
-    """A pruned variable's own regularizer, applied to the effective weight `variable * mask`.
-
-    Keras evaluates weight regularizers on the raw variable, outside the wrapper's scope; masked,
-    the pruned positions neither add to the loss nor get its gradient (contract 2).
-    """
-
-    def __init__(self, regularizer, mask: keras.Variable):
-        self.regularizer, self.mask = regularizer, mask
-
-    def __call__(self, x):
-        return self.regularizer(x * keras.ops.cast(self.mask, x.dtype))
-
-
-class _MaskedConstraint:
-    """A pruned variable's own constraint (`kernel_constraint=UnitNorm()`), applied to the
-    effective weight `variable * mask`.
-
-    Keras applies a constraint to the raw variable after each update: the pruned positions would
-    count (a unit-norm raw column is not a unit-norm effective one) and move. Masked, the weight the
-    forward uses satisfies the constraint and the pruned positions stay as they are.
-    """
-
-    def __init__(self, constraint, mask: keras.Variable):
-        self.constraint, self.mask = constraint, mask
-
-    def __call__(self, w):
-        mask = keras.ops.cast(self.mask, w.dtype)
-        return self.constraint(w * mask) * mask + w * (1 - mask)
 
 
 class _PatternState(tf.train.experimental.PythonState):
@@ -130,73 +91,6 @@ class _PatternState(tf.train.experimental.PythonState):
             f"<pattern {self.wrapper.pattern} of Sparse24 {self.wrapper.name!r} (checkpoints "
             "written before 2026-12-03 lack it: restore those with .expect_partial())>"
         )
-
-
-@contextlib.contextmanager
-def _without_autocast():
-    """No autocast scope: variables read, and report their `dtype`, as stored. Keras'
-    `AutocastScope(None)` reads values as stored but reports every float variable's `dtype` as
-    `floatx()`, so a float16/bfloat16/float64 layer's mapped weights would be cast to float32."""
-    outer = global_state.get_global_attribute("autocast_scope")
-    global_state.set_global_attribute("autocast_scope", None)
-    try:
-        yield
-    finally:
-        global_state.set_global_attribute("autocast_scope", outer)
-
-
-@contextlib.contextmanager
-def _calls_not_rematerialized(layer: keras.layers.Layer):
-    """Runs `layer` and its sublayers without `keras.RematScope`'s whole-call rematerialization
-    (modes "full", "larger_than", "list_of_layers"); yields the names of the layers it applied to.
-
-    `tf.recompute_grad` differentiates a call with respect to its inputs and the variables read
-    inside it only. The masked weights the wrapper maps the variables to are neither, so a
-    rematerialized inner call gave the pruned weights no gradient: they silently never trained.
-    Mode "activations" (only the activation function is recomputed) is kept.
-    """
-    dropped = [sub for sub in layer._flatten_layers(include_self=True)
-               if _rematerializes_call(sub._remat_mode, sub.name)]
-    saved = [sub._remat_mode for sub in dropped]
-    for sub in dropped:
-        sub._remat_mode = None
-    try:
-        yield [sub.name for sub in dropped]
-    finally:
-        for sub, mode in zip(dropped, saved):
-            sub._remat_mode = mode
-
-
-def _rematerializes_call(mode, name: str) -> bool:
-    """Whether a layer made under RematScope `mode` may recompute its whole call."""
-    if mode is None or mode.mode == "activations":
-        return False
-    return mode.mode != "list_of_layers" or name in mode.layer_names
-
-
-def stored_value(variable: keras.Variable):
-    """The variable's current value in its own dtype: inside a mixed-precision call, `.value` is
-    autocast to the caller's 16-bit compute dtype, which would round a float32 sublayer's weights
-    and tie magnitudes that differ in float32. Each inner layer still autocasts for itself."""
-    with _without_autocast():
-        return variable.value
-
-
-def _symbolic(value):
-    """A `KerasTensor` standing for a dense tensor, variable or numpy array; anything else as it
-    is."""
-    if isinstance(value, (tf.Tensor, tf.Variable, keras.Variable)):
-        return keras.KerasTensor(value.shape, keras.backend.standardize_dtype(value.dtype))
-    if isinstance(value, np.ndarray) and value.ndim and value.dtype.kind in "biufcUSO":
-        dtype = "string" if value.dtype.kind in "USO" else value.dtype.name
-        return keras.KerasTensor(value.shape, dtype)
-    return value
-
-
-def _is_data(value) -> bool:
-    """A tensor `_symbolic` left as it is (ragged, sparse): a symbolic call would run on it.
-    (`tf.is_tensor` is true for those composite tensors, false for a KerasTensor.)"""
-    return tf.is_tensor(value)
 
 
 def sublayers(layer) -> list:
@@ -323,9 +217,9 @@ class Sparse24(keras.layers.Wrapper):
         self.masks_source = "ones"
         # Made under a keras.RematScope: this call reads the masked weights' variables, but the
         # inner call they are passed to does not, and must not be recomputed
-        # (_calls_not_rematerialized); neither is this one. Said once, at the first call (None
+        # (calls_not_rematerialized); neither is this one. Said once, at the first call (None
         # once said).
-        remat = _rematerializes_call(self._remat_mode, self.name)
+        remat = rematerializes_call(self._remat_mode, self.name)
         self._remat_dropped: list[str] | None = [self.name] if remat else []
         self._remat_mode = None
 
@@ -389,10 +283,10 @@ class Sparse24(keras.layers.Wrapper):
             self.pruned_weights.append(
                 PrunedWeight(path, var, mask, axis % var.ndim, self.pattern)
             )
-            if var.regularizer is not None and not isinstance(var.regularizer, _MaskedRegularizer):
-                var.regularizer = _MaskedRegularizer(var.regularizer, mask)
-            if var.constraint is not None and not isinstance(var.constraint, _MaskedConstraint):
-                var.constraint = _MaskedConstraint(var.constraint, mask)
+            if var.regularizer is not None and not isinstance(var.regularizer, MaskedRegularizer):
+                var.regularizer = MaskedRegularizer(var.regularizer, mask)
+            if var.constraint is not None and not isinstance(var.constraint, MaskedConstraint):
+                var.constraint = MaskedConstraint(var.constraint, mask)
         self.check_masks_apply()
         position = {id(v): i for i, v in enumerate(self.layer.variables)}
         self._positions = [position[id(pw.variable)] for pw in self.pruned_weights]
@@ -497,9 +391,9 @@ class Sparse24(keras.layers.Wrapper):
             # would otherwise happen twice on a first eager call. Inputs it cannot stand for
             # (ragged tensors) or a call it cannot trace (Python that needs the data) fall back to
             # a real call: then those updates do happen twice, as documented.
-            symbolic = keras.tree.map_structure(_symbolic, (args, kwargs))
+            symbolic = keras.tree.map_structure(symbolic_stand_in, (args, kwargs))
             traced = False
-            if not any(_is_data(v) for v in keras.tree.flatten(symbolic)):
+            if not any(is_data(v) for v in keras.tree.flatten(symbolic)):
                 with contextlib.suppress(Exception):  # the real call below raises what is real
                     self.layer(*symbolic[0], **symbolic[1])
                     traced = True
@@ -602,11 +496,11 @@ class Sparse24(keras.layers.Wrapper):
         # Out of the autocast scope Keras opened for this call: a StatelessScope converts each value
         # to its variable's `dtype`, which reads as the 16-bit compute dtype inside it, so a float32
         # sublayer would get rounded weights. Each inner layer autocasts for itself.
-        with _without_autocast():
+        with without_autocast():
             masked = {id(pw.variable): self.effective_weight(pw) for pw in self.pruned_weights}
             state = [(v, masked.get(id(v), v.value)) for v in self.layer.variables]
-            scope = _RecordingScope(state)
-        with scope, _calls_not_rematerialized(self.layer) as dropped:
+            scope = RecordingScope(state)
+        with scope, calls_not_rematerialized(self.layer) as dropped:
             outputs = self.layer(*args, **kwargs)
         if self._remat_dropped is not None and (dropped := self._remat_dropped + dropped):
             self._remat_dropped = None
