@@ -118,3 +118,18 @@ def test_spmm_threads_under_tsan(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "THREADS PASSED" in result.stdout, output[-6000:]
     assert "ThreadSanitizer" not in output, output[-6000:]
+
+
+def test_spmm_out_of_memory_on_a_worker_thread_reaches_the_caller(tmp_path):
+    """A kernel's scratch allocated on a worker thread (the AVX2 GEMV's reordered x) that cannot be
+    had is std::bad_alloc on the calling thread, not std::terminate (cc/sparse24/spmm_oom_test.cc:
+    a bounded global operator new, units run on std::threads); no sanitizers, which replace
+    operator new themselves."""
+    cxx = os.environ.get("CXX", "g++")
+    tests = [os.path.join(CORE, f"spmm_{name}_test.cc") for name in ("ctypes", "oom")]
+    objects = compile_objects([*library_sources(), *tests], str(tmp_path), ["-O1"], cxx=cxx)
+    binary = str(tmp_path / "spmm_oom_test")
+    subprocess.run([cxx, *objects, "-o", binary, "-lpthread"], check=True)
+    result = subprocess.run([binary], capture_output=True, text=True, timeout=300, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "OOM PASSED" in result.stdout, output[-4000:]

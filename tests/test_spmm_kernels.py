@@ -41,7 +41,8 @@ OUT_TINY = {np.float32: 2.0**-150, ml_dtypes.bfloat16: 2.0**-134, np.float16: 2.
 
 def _sources() -> list[str]:
     srcs = sorted(glob.glob(os.path.join(ROOT, "cc", "sparse24", "spmm*.cc")))
-    srcs = [s for s in srcs if not s.endswith("spmm_threads_test.cc")]  # a program (main)
+    programs = ("spmm_threads_test.cc", "spmm_oom_test.cc")  # each has a main
+    srcs = [s for s in srcs if not s.endswith(programs)]
     core = os.path.join(ROOT, "cc", "sparse24")
     return srcs + [os.path.join(core, name) for name in ("cpu_features.cc", "format.cc")]
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -309,27 +310,36 @@ std::string spmm(const SpmmArgs& a, Isa isa, const ParallelFor& parallel_for) {
   const Schedule s = make_schedule(plan, a.M, a.N);
   const int64_t units = s.col_tiles * s.row_blocks;
   const int64_t cost = s.tile * std::min(a.M, s.block_rows) * a.K / 8 + 1;
-  std::atomic<bool> meta_ok{true};
+  std::atomic<bool> meta_ok{true}, out_of_memory{false};
   std::atomic<int64_t> next_unit{0};
   parallel_for(units, cost, [&](int64_t, int64_t) {
-    for (int64_t u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < units;) {
-      const int64_t n0 = s.col(u), m0 = s.row(u);
-      const int64_t n1 = std::min(a.N, n0 + s.tile);
-      if (!meta_rows_valid(a.meta, a.K, n0, n1)) {
-        meta_ok.store(false, std::memory_order_relaxed);
-        continue;
+    // A kernel's scratch (the AVX2 GEMV's reordered x) is allocated on whichever thread runs the
+    // unit; std::bad_alloc escaping a pool thread would terminate the process, so it stops the
+    // remaining units here and is thrown again on the calling thread below.
+    try {
+      for (int64_t u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < units;) {
+        const int64_t n0 = s.col(u), m0 = s.row(u);
+        const int64_t n1 = std::min(a.N, n0 + s.tile);
+        if (!meta_rows_valid(a.meta, a.K, n0, n1)) {
+          meta_ok.store(false, std::memory_order_relaxed);
+          continue;
+        }
+        SpmmWork part = w;
+        part.M = std::min(a.M - m0, s.block_rows);
+        if (plan.panel()) {
+          packs->ensure(m0, part.M);
+          part.xt = w.xt + m0 * plan.row_words;
+        }
+        part.y = static_cast<char*>(a.y) + m0 * a.ldy * dtype_size(a.dtype);
+        plan.kernel(part, n0, n1);
       }
-      SpmmWork part = w;
-      part.M = std::min(a.M - m0, s.block_rows);
-      if (plan.panel()) {
-        packs->ensure(m0, part.M);
-        part.xt = w.xt + m0 * plan.row_words;
-      }
-      part.y = static_cast<char*>(a.y) + m0 * a.ldy * dtype_size(a.dtype);
-      plan.kernel(part, n0, n1);
+    } catch (const std::bad_alloc&) {
+      out_of_memory.store(true, std::memory_order_relaxed);
+      next_unit.store(units, std::memory_order_relaxed);
     }
   });
 
+  if (out_of_memory.load()) throw std::bad_alloc();
   if (!meta_ok.load()) return validate_meta(a.meta, a.K, 0, a.N);
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) propagate_nonfinite(a, bad.data());
   return std::string();

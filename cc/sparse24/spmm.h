@@ -35,6 +35,8 @@ using ParallelFor =
 // Returns "" or, if meta breaks the format, validate_meta's message (first bad row and group); y is
 // then unspecified. Each work unit checks its own meta rows just before reading them, so the check
 // costs no extra pass over the weights or extra round trip through the thread pool.
+// Throws std::bad_alloc, always on the calling thread (never from a parallel_for worker), when
+// x's float32 copy, its packed panels or a kernel's scratch cannot be allocated.
 // Precondition: shapes valid (K % 4 == 0), isa supported (callers check with isa_supported).
 std::string spmm(const SpmmArgs& args, Isa isa, const ParallelFor& parallel_for);
 

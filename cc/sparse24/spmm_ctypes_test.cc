@@ -2,6 +2,7 @@
 // bench/matmul.py --core. Not part of the op library (setup.py skips *_test.cc).
 #include <algorithm>
 #include <cstdint>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -42,8 +43,8 @@ int sparse24_test_isa_supported(int isa) {
   return sparse24::isa_supported(static_cast<sparse24::Isa>(isa)) ? 1 : 0;
 }
 
-// dtype: 0 float32, 1 bfloat16, 2 float16; isa: sparse24::Isa. Returns 0, -1 if isa unsupported, or
-// -2 if spmm rejected the meta.
+// dtype: 0 float32, 1 bfloat16, 2 float16; isa: sparse24::Isa. Returns 0, -1 if isa unsupported,
+// -2 if spmm rejected the meta, or -3 if it ran out of memory (std::bad_alloc).
 int sparse24_test_spmm(int dtype, int isa, const void* x, int64_t ldx, const void* values,
                        const uint8_t* meta, int64_t m, int64_t k, int64_t n, void* y, int64_t ldy,
                        int threads) {
@@ -51,7 +52,11 @@ int sparse24_test_spmm(int dtype, int isa, const void* x, int64_t ldx, const voi
   if (!sparse24::isa_supported(which)) return -1;
   const sparse24::SpmmArgs args{static_cast<sparse24::DType>(dtype), x, ldx, values, meta, m, k, n,
                                 y, ldy};
-  return sparse24::spmm(args, which, thread_pool(threads)).empty() ? 0 : -2;
+  try {
+    return sparse24::spmm(args, which, thread_pool(threads)).empty() ? 0 : -2;
+  } catch (const std::bad_alloc&) {
+    return -3;
+  }
 }
 
 }  // extern "C"

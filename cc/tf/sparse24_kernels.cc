@@ -110,9 +110,10 @@ class Sparse24MatMulOp : public sparse24_kernels::MatMulKernel {
     args.y = y->flat<T>().data();
     args.ldy = n;
     // Validates meta as it goes (InvalidArgument naming the first bad row and group); NaN/inf in x
-    // propagate as in a dense matmul. The core allocates x's float32 copy or packed panels with
-    // new on this thread: std::bad_alloc, left to propagate, unwinds through TensorFlow's executor
-    // and kills the process, so it becomes ResourceExhausted.
+    // propagate as in a dense matmul. The core allocates x's float32 copy, packed panels or a
+    // kernel's reordered rows with new and throws std::bad_alloc on this thread when that fails;
+    // left to propagate, it unwinds through TensorFlow's executor and kills the process, so it
+    // becomes ResourceExhausted.
     std::string error;
     bool out_of_memory = false;
     try {
