@@ -1,5 +1,6 @@
 """The sparse24 TF ops against the numpy reference (format.py), float64 numpy and dense TF."""
 
+import concurrent.futures
 import os
 import re
 import shutil
@@ -189,6 +190,35 @@ def test_matmul_matches_float64(isa, dtype):
 )
 def test_matmul_random_shapes_auto_isa(batch, groups, n, dtype, seed):
     check_matmul(dtype, batch, 4 * groups, n, np.random.default_rng(seed))
+
+
+def test_concurrent_calls_from_many_threads_give_the_serial_results():
+    # TF Serving runs requests side by side: calls from several threads share the intra-op pool
+    # and each caller's retained pack buffer (spmm.cc, PackMemory), here with shapes that grow and
+    # shrink it and switch between the GEMV (M <= 4) and panel kernels, in every dtype.
+    rng = np.random.default_rng(11)
+    cases = []
+    # Calls of ~5-20 ms, so that they overlap.
+    for i, (m, k, n) in enumerate([(1, 4096, 1024), (3, 2048, 512), (256, 2048, 256),
+                                   (400, 1024, 300), (4, 4096, 256), (193, 4096, 130)]):
+        dtype = sorted(DTYPES)[i % 3]
+        w = random_24(rng, k, n, DTYPES[dtype])
+        x = rng.standard_normal((m, k)).astype(DTYPES[dtype])
+        values, meta = fmt.compress(w)
+        serial = ops.sparse24_matmul(x, values, meta).numpy()
+        x64, w64 = x.astype(np.float64), w.astype(np.float64)
+        assert np.all(np.abs(serial.astype(np.float64) - x64 @ w64)
+                      <= RTOL[dtype] * (np.abs(x64) @ np.abs(w64)) + 2.0**-24), (dtype, m, k, n)
+        cases.append((x, values, meta, serial))
+
+    def run(i):
+        x, values, meta, _ = cases[i % len(cases)]
+        return i % len(cases), ops.sparse24_matmul(x, values, meta).numpy()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, range(12 * len(cases))))
+    for i, y in results:
+        np.testing.assert_array_equal(bits(y), bits(cases[i][3]))
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2"], indirect=True)
