@@ -1116,7 +1116,7 @@ def test_a_dict_input_models_unnamed_inputs_are_served_under_their_keys(tmp_path
 def test_an_ordered_dict_input_models_inputs_are_served_under_their_own_keys(tmp_path):
     """An OrderedDict of inputs flattens in insertion order, not sorted: each served name is the
     key of the input it feeds ("zeta" 4 wide, "alpha" 8 wide), with the automatic names and with
-    an input_signature named by the keys."""
+    an input_signature named by the keys; verify agrees."""
     import collections  # noqa: PLC0415
 
     keras.utils.set_random_seed(0)
@@ -1138,6 +1138,10 @@ def test_an_ordered_dict_input_models_inputs_are_served_under_their_own_keys(tmp
         assert metadata["signature"]["input_order"] == ["zeta", "alpha"]
         served = load(tmp_path / str(version)).signatures["serving_default"](**x)["score"]
         np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+        # verify's reference call is an OrderedDict too: Keras binds a plain dict's values in
+        # sorted order, which would feed zeta's values to alpha.
+        assert verify(tmp_path / str(version), against=model)["input_shapes"] == {
+            "zeta": [2, 4], "alpha": [2, 8]}
 
 
 @pytest.mark.parametrize("mode", ["portable", "accelerated"])
