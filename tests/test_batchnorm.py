@@ -177,6 +177,35 @@ def test_bad_input_is_refused_before_anything_changes():
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_batched_dataset_of_one_feature_columns_is_not_taken_for_single_examples():
+    """Keras' structured-data recipe: `keras.Input((1,), name=column)` per feature, fed
+    `Dataset.from_tensor_slices((dict(columns), labels)).batch(n)`, whose elements are `[batch]`,
+    one axis short of `(None, 1)`: Keras' Functional model appends the axis of size 1, so these
+    are batches, recalibrated as the same columns given as arrays are. An unbatched dataset of
+    `(6, 1)` examples for a `(None, 6, 1)` input is still refused."""
+    columns = {name: keras.Input((1,), name=name) for name in ("age", "income")}
+    h = keras.layers.Dense(4)(keras.layers.Concatenate()([columns["age"], columns["income"]]))
+    model = keras.Model(columns, keras.layers.BatchNormalization(name="bn")(h))
+    rng = np.random.default_rng(7)
+    data = {name: rng.standard_normal(32).astype("float32") for name in columns}
+    labels = np.zeros(32, "float32")
+    ds = tf.data.Dataset.from_tensor_slices((data, labels)).batch(8)
+    assert ds.element_spec[0]["age"].shape.as_list() == [None]
+    assert tf_sparse24.recalibrate_batch_norm(model, ds) == ["bn"]
+    from_dataset = [v.numpy() for v in model.get_layer("bn").weights]
+    tf_sparse24.recalibrate_batch_norm(model, {k: v[:, None] for k, v in data.items()},
+                                       batch_size=8)
+    for a, b in zip(from_dataset, model.get_layer("bn").weights):
+        np.testing.assert_allclose(a, b.numpy(), rtol=1e-6, atol=1e-6)
+    inp = keras.Input((6, 1))
+    sequences = keras.Model(inp, keras.layers.BatchNormalization()(inp))
+    examples = tf.data.Dataset.from_tensor_slices(np.ones((8, 6, 1), "float32"))
+    with pytest.raises(ValueError, match=r"dataset of single examples \(element shapes "
+                                         r"\[\(6, 1\)\]"):
+        tf_sparse24.recalibrate_batch_norm(sequences, examples)
+    assert tf_sparse24.recalibrate_batch_norm(sequences, examples.map(lambda e: e[:, 0]).batch(4))
+
+
 def test_nothing_but_the_statistics_changes():
     """A training-mode forward also rewrites SpectralNormalization's kernel and power-iteration
     vector, advances a stateful GRU's states and dropout's seed: all put back."""

@@ -439,6 +439,24 @@ def test_a_run_resumed_past_start_step_with_masks_never_computed_computes_them(t
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_resumed_run_computes_the_masks_never_computed_beside_a_frozen_layers_masks(tmp_path):
+    """As above, with a frozen pruned layer: the warm-up keeps its masks, so the checkpoint at
+    step 8 holds those beside the others' ones; resuming computes the others' (not only when
+    every mask is ones), and leaves the frozen layer's as they are."""
+    model, path = pruned_mlp(), str(tmp_path / "at_8.keras")
+    model.layers[1].trainable = False
+    fit_in_executions_of_4(model, [SaveAtStep(8, path), ts.Sparse24Callback(start_step=6)])
+    resumed = keras.saving.load_model(path)
+    frozen = masks(resumed)[1]
+    assert [m.min() for m in masks(resumed)] == [1.0, 0.0, 1.0] and frozen.mean() == 0.5
+    resumed.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                callbacks=[ts.Sparse24Callback(start_step=6)])  # raised: not 2:4 after epoch 0
+    assert [m.mean() for m in masks(resumed)] == [0.5] * 3
+    np.testing.assert_array_equal(masks(resumed)[1], frozen)
+    for got, want in zip(masks(resumed), masks(model)):
+        np.testing.assert_array_equal(got, want)
+
+
 class StopAfterFirstEpoch(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         raise RuntimeError("preempted")

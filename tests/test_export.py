@@ -1113,6 +1113,37 @@ def test_a_dict_input_models_unnamed_inputs_are_served_under_their_keys(tmp_path
         "age": [2, 4], "income": [2, 2], "zip_code": [2, 2]}
 
 
+def test_an_ordered_dict_input_models_inputs_are_served_under_their_own_keys(tmp_path):
+    """An OrderedDict of inputs flattens in insertion order, not sorted: each served name is the
+    key of the input it feeds ("zeta" 4 wide, "alpha" 8 wide), with the automatic names and with
+    an input_signature named by the keys; verify agrees."""
+    import collections  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    inputs = collections.OrderedDict([("zeta", keras.Input((4,))), ("alpha", keras.Input((8,)))])
+    h = keras.layers.Concatenate()([inputs["zeta"], 2.0 * inputs["alpha"]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Keras: keys that are not the inputs' names
+        model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Dense(4, name="score")(h)))
+    rng = np.random.default_rng(4)
+    x = {"zeta": rng.standard_normal((3, 4)).astype("float32"),
+         "alpha": rng.standard_normal((3, 8)).astype("float32")}
+    dense = model.get_layer("sparse24_score").layer
+    want = (np.concatenate([x["zeta"], 2.0 * x["alpha"]], axis=1).astype(np.float64)
+            @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy())
+    named = [tf.TensorSpec([None, 8], tf.float32, name="alpha"),
+             tf.TensorSpec([None, 4], tf.float32, name="zeta")]
+    for version, signature in ((1, None), (2, named)):
+        metadata = export(model, tmp_path / str(version), input_signature=signature)
+        assert metadata["signature"]["input_order"] == ["zeta", "alpha"]
+        served = load(tmp_path / str(version)).signatures["serving_default"](**x)["score"]
+        np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+        # verify's reference call is an OrderedDict too: Keras binds a plain dict's values in
+        # sorted order, which would feed zeta's values to alpha.
+        assert verify(tmp_path / str(version), against=model)["input_shapes"] == {
+            "zeta": [2, 4], "alpha": [2, 8]}
+
+
 @pytest.mark.parametrize("mode", ["portable", "accelerated"])
 def test_time_distributed_with_an_unknown_number_of_steps_is_refused(tmp_path, mode):
     """Keras 3.15's TimeDistributed, traced with an unknown time axis, maps its layer over as many

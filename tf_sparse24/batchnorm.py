@@ -65,17 +65,24 @@ def _check_input_arrays(model: keras.Model, x) -> None:
 def _check_dataset(model: keras.Model, x, steps: int | None) -> None:
     """Refuses a tf.data.Dataset known to repeat forever (`ds.repeat()`, as fed to
     `fit(steps_per_epoch=...)`) without `steps`: the loop over it would never end; and one of
-    single examples (not batched): each element has one axis less than the model's inputs."""
+    single examples (not batched): each element has one axis less than the model's inputs, and
+    is not a batch that Keras completes (a Functional model appends a missing last axis of size
+    1: `[batch]` elements for `keras.Input((1,))`)."""
     if not isinstance(x, tf.data.Dataset):
         return
     if steps is None and int(x.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise ValueError("recalibrate_batch_norm(): x is an infinite dataset (it repeats "
                          "forever); pass steps=, the number of batches to use.")
     spec = x.element_spec[0] if isinstance(x.element_spec, tuple) else x.element_spec
-    given = [s.shape.rank for s in keras.tree.flatten(spec)]
-    wanted = [len(t.shape) for t in getattr(model, "inputs", None) or []]
-    if len(given) == len(wanted) and None not in given and all(
-            g == w - 1 for g, w in zip(given, wanted)):
+    given = [s.shape for s in keras.tree.flatten(spec)]
+    wanted = [tf.TensorShape(t.shape) for t in getattr(model, "inputs", None) or []]
+
+    def one_example(shape: tf.TensorShape, model_input: tf.TensorShape) -> bool:
+        if shape.rank is None or shape.rank != model_input.rank - 1:
+            return False
+        return not (model_input[-1] == 1 and model_input.is_compatible_with(shape + [1]))
+
+    if len(given) == len(wanted) and all(map(one_example, given, wanted)):
         raise ValueError(
             f"recalibrate_batch_norm(): x is a dataset of single examples (element shapes "
             f"{[tuple(s.shape) for s in keras.tree.flatten(spec)]}; model {model.name!r} takes "

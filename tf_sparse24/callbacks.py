@@ -169,13 +169,14 @@ class Sparse24Callback(keras.callbacks.Callback):
             self._next = self._due_from(step)
             if self.start_step is not None and step < self.start_step:
                 self._reset_masks(step)
-            elif (self.start_step is not None and step > self.start_step and self.model.built
-                  and all(np.all(pw.mask.numpy()) for layer in self._layers
-                          for pw in layer.pruned_weights)):
-                # Past start_step with masks never computed: saved by a batch-frequency checkpoint
-                # that ran before this callback at the batch they were due. Computed now, from
-                # the weights they would have been computed from.
-                self._compute_masks(step)
+            elif self.start_step is not None and step > self.start_step and self.model.built:
+                # Past start_step with masks never computed (the frozen layers' kept theirs): saved
+                # by a batch-frequency checkpoint that ran before this callback at the batch they
+                # were due. Computed now, from the weights they would have been computed from.
+                frozen = self._frozen_computed()
+                if all(np.all(pw.mask.numpy()) for layer in self._layers
+                       for pw in layer.pruned_weights if id(pw.variable) not in frozen):
+                    self._compute_masks(step)
 
     def _reset_masks(self, step: int) -> None:
         """Masks of ones for the dense warm-up (frozen layers keep theirs); says so if that

@@ -108,10 +108,10 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
         ) from e
     defaults = ["inputs"] if len(inputs) == 1 else [f"input_{i}" for i in range(len(inputs))]
     if isinstance(model.input, dict) and len(model.input) == len(inputs):
-        # A dict's keys (flattened in sorted order) are the names the model is called with: an
-        # input without a chosen name of its own is served under its key.
+        # A dict's keys are the names the model is called with: an input without a chosen name of
+        # its own is served under its key.
         defaults = [_identifier(str(key), default)
-                    for key, default in zip(sorted(model.input), defaults)]
+                    for key, default in zip(_flat_keys(model.input), defaults)]
     own = [_identifier(t.name, d) for t, d in zip(inputs, defaults)]
     # "_x" -> "x": TensorFlow renames a leading underscore, then finds the new name clashes. An
     # input named "x" itself keeps "x" (stripped names are made unique last).
@@ -122,16 +122,22 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
 
 
 def model_input_names(model: keras.Model) -> list[str] | None:
-    """The names of the model's inputs in the order it takes them (a dict's keys sorted, as
-    `model_arguments` packs them; a `call(self, a, b)`'s parameters), or None for a model without
-    symbolic inputs."""
+    """The names of the model's inputs in the order it takes them (a dict's keys in the order
+    `model_arguments` packs them, see `_flat_keys`; a `call(self, a, b)`'s parameters), or None
+    for a model without symbolic inputs."""
     try:
         structure = model.input
     except (AttributeError, ValueError):
         return positional_inputs(model)
     if isinstance(structure, dict):
-        return sorted(structure)
+        return _flat_keys(structure)
     return [t.name for t in keras.tree.flatten(structure)]
+
+
+def _flat_keys(structure: dict) -> list:
+    """A dict's keys in the order `keras.tree.flatten` puts its values: sorted for a dict, as
+    inserted for an OrderedDict."""
+    return list(dict.fromkeys(path[0] for path, _ in keras.tree.flatten_with_path(structure)))
 
 
 def positional_inputs(model: keras.Model) -> list[str] | None:
