@@ -206,6 +206,34 @@ def test_a_batched_dataset_of_one_feature_columns_is_not_taken_for_single_exampl
     assert tf_sparse24.recalibrate_batch_norm(sequences, examples.map(lambda e: e[:, 0]).batch(4))
 
 
+def test_an_unbatched_dataset_of_one_feature_examples_is_refused():
+    """`Dataset.from_tensor_slices(x)` of an `(n, 1)` array has `[1]` elements: single examples
+    for `keras.Input((1,))`, not batches missing the feature axis (`[batch]`). Run as batches of
+    one row they would set every moving variance to zero; refused with the hint to batch, and the
+    batched dataset gives the numpy moments. Likewise `[steps, 1]` for `keras.Input((None, 1))`."""
+    inp = keras.Input((1,))
+    model = keras.Model(inp, keras.layers.BatchNormalization(name="bn")(inp))
+    x = np.random.default_rng(3).normal(3.0, 2.0, size=(64, 1)).astype("float32")
+    examples = tf.data.Dataset.from_tensor_slices(x)
+    assert examples.element_spec.shape.as_list() == [1]
+    before = [v.numpy() for v in model.get_layer("bn").weights]
+    with pytest.raises(ValueError, match=r"dataset of single examples \(element shapes \[\(1,\)\]"):
+        tf_sparse24.recalibrate_batch_norm(model, examples)
+    for a, v in zip(before, model.get_layer("bn").weights):
+        np.testing.assert_array_equal(a, v.numpy())
+    assert tf_sparse24.recalibrate_batch_norm(model, examples.batch(16)) == ["bn"]
+    bn = model.get_layer("bn")
+    np.testing.assert_allclose(bn.moving_mean.numpy(), x.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(),
+                               np.mean([x[i:i + 16].var(0) for i in range(0, 64, 16)], 0),
+                               rtol=1e-5)
+    seq_in = keras.Input((None, 1))
+    sequences = keras.Model(seq_in, keras.layers.BatchNormalization()(seq_in))
+    with pytest.raises(ValueError, match="dataset of single examples"):
+        tf_sparse24.recalibrate_batch_norm(
+            sequences, tf.data.Dataset.from_tensor_slices(np.ones((8, 5, 1), "float32")))
+
+
 def test_nothing_but_the_statistics_changes():
     """A training-mode forward also rewrites SpectralNormalization's kernel and power-iteration
     vector, advances a stateful GRU's states and dropout's seed: all put back."""

@@ -67,7 +67,9 @@ def _check_dataset(model: keras.Model, x, steps: int | None) -> None:
     `fit(steps_per_epoch=...)`) without `steps`: the loop over it would never end; and one of
     single examples (not batched): each element has one axis less than the model's inputs, and
     is not a batch that Keras completes (a Functional model appends a missing last axis of size
-    1: `[batch]` elements for `keras.Input((1,))`)."""
+    1: `[batch]` elements for `keras.Input((1,))`). An element that already ends in that axis of
+    size 1 (`[1]` for `keras.Input((1,))`, `[steps, 1]` for `keras.Input((None, 1))`) is one
+    example: Keras would run it as a batch of one row, whose variance is zero."""
     if not isinstance(x, tf.data.Dataset):
         return
     if steps is None and int(x.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
@@ -80,7 +82,8 @@ def _check_dataset(model: keras.Model, x, steps: int | None) -> None:
     def one_example(shape: tf.TensorShape, model_input: tf.TensorShape) -> bool:
         if shape.rank is None or shape.rank != model_input.rank - 1:
             return False
-        return not (model_input[-1] == 1 and model_input.is_compatible_with(shape + [1]))
+        return not (model_input[-1] == 1 and shape.rank and shape[-1] != 1
+                    and model_input.is_compatible_with(shape + [1]))
 
     if len(given) == len(wanted) and all(map(one_example, given, wanted)):
         raise ValueError(
