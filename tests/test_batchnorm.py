@@ -234,6 +234,20 @@ def test_an_unbatched_dataset_of_one_feature_examples_is_refused():
             sequences, tf.data.Dataset.from_tensor_slices(np.ones((8, 5, 1), "float32")))
 
 
+def test_a_batch_of_no_rows_counts_for_nothing():
+    """A generator slicing past the end of its array yields empty batches: weighted by their
+    rows (0), they change nothing, where Keras' batch statistics of no rows (NaN) made every
+    statistic NaN, or the first call divided by zero."""
+    model = _model()
+    x = np.random.default_rng(4).normal(size=(64, 6, 6, 4)).astype("float32")
+    expected = _reference_statistics(model, x, 32)
+    for batches in ([x[:32], x[64:], x[32:]], [x[:0], x[:32], x[32:], x[64:96]]):
+        assert sorted(tf_sparse24.recalibrate_batch_norm(model, iter(batches))) == ["bn1", "bn2"]
+        for name, (mean, variance) in _statistics(model).items():
+            np.testing.assert_allclose(mean, expected[name][0], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(variance, expected[name][1], rtol=1e-4, atol=1e-5)
+
+
 def test_nothing_but_the_statistics_changes():
     """A training-mode forward also rewrites SpectralNormalization's kernel and power-iteration
     vector, advances a stateful GRU's states and dropout's seed: all put back."""

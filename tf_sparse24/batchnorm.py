@@ -110,7 +110,8 @@ class _AveragingCall:
     moving statistics end as the average of the batch statistics of all its calls, each weighted
     by its rows: `moving = (seen * moving + rows * batch) / (seen + rows)` per call, however many
     times one forward calls the layer (a tower shared by two branches runs it twice). `seen`
-    counts the rows: 0 means the forward never reached this `call`."""
+    counts the rows: 0 means the forward never reached this `call`. A call on no rows has no
+    statistics (Keras' would be NaN, kept by any momentum): it runs in inference mode."""
 
     def __init__(self, layer: keras.layers.BatchNormalization):
         self.layer, self.call = layer, layer.call
@@ -118,13 +119,17 @@ class _AveragingCall:
         self.seen = 0
 
     def __call__(self, *args, **kwargs):
-        arguments = self.signature.bind(*args, **kwargs).arguments
+        bound = self.signature.bind(*args, **kwargs)
+        arguments = bound.arguments
         if arguments.get("training"):  # BatchNormalization updates its statistics on this call
             if not tf.executing_eagerly():
                 raise RuntimeError(
                     f"recalibrate_batch_norm(): layer {self.layer.name!r} was called inside a "
                     "tf.function; its calls cannot be counted there. Run the model eagerly.")
             rows = int(keras.ops.shape(next(iter(arguments.values())))[0])
+            if not rows:
+                arguments["training"] = False
+                return self.call(*bound.args, **bound.kwargs)
             self.layer.momentum = self.seen / (self.seen + rows)
             self.seen += rows
         return self.call(*args, **kwargs)
