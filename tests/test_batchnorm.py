@@ -248,6 +248,32 @@ def test_a_batch_of_no_rows_counts_for_nothing():
             np.testing.assert_allclose(variance, expected[name][1], rtol=1e-4, atol=1e-5)
 
 
+class _ListBatches(keras.utils.PyDataset):
+    """A PyDataset whose `__getitem__` returns `[x, y]` lists, which Keras' fit reads as
+    `(x, y)`."""
+
+    def __init__(self, x, batch_size):
+        super().__init__()
+        self.x, self.batch_size = x, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        x = self.x[index * self.batch_size:(index + 1) * self.batch_size]
+        return [x, np.zeros((len(x), 3), "float32")]
+
+
+def test_a_py_dataset_of_lists_is_read_as_keras_reads_it():
+    model = _model()
+    x = np.random.default_rng(5).normal(size=(40, 6, 6, 4)).astype("float32")
+    expected = _reference_statistics(model, x, 16)
+    assert sorted(tf_sparse24.recalibrate_batch_norm(model, _ListBatches(x, 16))) == ["bn1", "bn2"]
+    for name, (mean, variance) in _statistics(model).items():
+        np.testing.assert_allclose(mean, expected[name][0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(variance, expected[name][1], rtol=1e-4, atol=1e-5)
+
+
 def test_nothing_but_the_statistics_changes():
     """A training-mode forward also rewrites SpectralNormalization's kernel and power-iteration
     vector, advances a stateful GRU's states and dropout's seed: all put back."""

@@ -95,13 +95,16 @@ def _check_dataset(model: keras.Model, x, steps: int | None) -> None:
 def _input_batches(x, batch_size: int) -> Iterable:
     """Model inputs batch by batch: slices of arrays (one, or a list/tuple/dict of them), or the
     inputs of each element of a tf.data.Dataset / iterable (`x` of `(x, y)` or
-    `(x, y, sample_weight)`)."""
+    `(x, y, sample_weight)`; a `keras.utils.PyDataset`'s lists too, as Keras reads them)."""
     if isinstance(x, ARRAY_STRUCTURES):
         rows = len(keras.tree.flatten(x)[0])
         for start in range(0, rows, batch_size):
             yield keras.tree.map_structure(lambda a, s=start: a[s:s + batch_size], x)
     else:
+        lists_are_tuples = isinstance(x, keras.utils.PyDataset)
         for element in x:
+            if lists_are_tuples and isinstance(element, list):
+                element = tuple(element)
             yield element[0] if isinstance(element, tuple) else element
 
 
