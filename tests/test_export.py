@@ -1145,6 +1145,31 @@ def test_an_ordered_dict_input_models_inputs_are_served_under_their_own_keys(tmp
 
 
 @pytest.mark.parametrize("mode", ["portable", "accelerated"])
+def test_a_dict_input_signature_feeds_an_ordered_dict_models_inputs_by_key(tmp_path, mode):
+    """A dict input_signature for a model built on an OrderedDict: each spec reaches the input
+    under its key. (Keras binds a plain dict's values in sorted order to an OrderedDict's inputs
+    in insertion order: called with one, the model took alpha's values as zeta's.)"""
+    import collections  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    inputs = collections.OrderedDict([("zeta", keras.Input((4,), name="zeta")),
+                                      ("alpha", keras.Input((4,), name="alpha"))])
+    h = keras.layers.Concatenate()([inputs["zeta"], 2.0 * inputs["alpha"]])
+    model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Dense(4, name="score")(h)))
+    rng = np.random.default_rng(5)
+    x = {"zeta": rng.standard_normal((3, 4)).astype("float32"),
+         "alpha": rng.standard_normal((3, 4)).astype("float32")}
+    dense = model.get_layer("sparse24_score").layer
+    want = (np.concatenate([x["zeta"], 2.0 * x["alpha"]], axis=1).astype(np.float64)
+            @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy())
+    signature = {"alpha": tf.TensorSpec([None, 4]), "zeta": tf.TensorSpec([None, 4])}
+    export(model, tmp_path / "1", mode=mode, input_signature=signature)
+    served = load(tmp_path / "1").signatures["serving_default"](**x)["score"]
+    np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"]["score"] < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["portable", "accelerated"])
 def test_time_distributed_with_an_unknown_number_of_steps_is_refused(tmp_path, mode):
     """Keras 3.15's TimeDistributed, traced with an unknown time axis, maps its layer over as many
     steps as the batch has rows (a plain Keras model in a tf.function does the same): such an

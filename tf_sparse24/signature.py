@@ -162,7 +162,14 @@ def model_arguments(
     `keys` (a dict input_signature), one per parameter of a `call(self, a, b)`, else
     `model.input`'s structure, else the tensor or the list."""
     if keys is not None:
-        return (dict(zip(keys, inputs)),)
+        given = dict(zip(keys, inputs))
+        structure = getattr(model, "input", None) if _has_graph(model) else None
+        if isinstance(structure, dict) and set(structure) == set(given):
+            # Keras binds a dict's values in flattened order: a plain dict's (sorted) is not an
+            # OrderedDict's (as inserted), so pass the model a dict of its own kind.
+            flat = [given[k] for k in _flat_keys(structure)]
+            return (keras.tree.pack_sequence_as(structure, flat),)
+        return (given,)
     if positional_inputs(model):
         return tuple(inputs)
     try:
