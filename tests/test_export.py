@@ -1297,6 +1297,29 @@ def test_a_list_input_signature_binds_the_models_inputs_by_name(kind, tmp_path, 
         verify(tmp_path / "2", against=model)
 
 
+@pytest.mark.parametrize("structure", ["nested list", "tuple of dicts"])
+def test_verify_calls_a_model_with_nested_named_inputs_in_their_structure(structure, tmp_path):
+    """Inputs named in a nested structure ([[z, y], x], ({"q": q}, {"p": p})): served by name,
+    and verify feeds the model by those names in its own structure (it passed a flat dict, which
+    Keras refuses for a nested structure: 'could not be compared')."""
+    keras.utils.set_random_seed(0)
+    z, y, x = (keras.Input((w,), name=n) for n, w in (("z", 4), ("y", 8), ("x", 4)))
+    h = keras.layers.Concatenate()([z, 2.0 * y, 3.0 * x])
+    inputs = [[z, y], x] if structure == "nested list" else ({"y": y}, {"x": x, "z": z})
+    model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Dense(4, name="out")(h)))
+    rng = np.random.default_rng(7)
+    data = {n: rng.standard_normal((3, w)).astype("float32") for n, w in (("z", 4), ("y", 8),
+                                                                           ("x", 4))}
+    dense = model.get_layer("sparse24_out").layer
+    want = (np.concatenate([data["z"], 2.0 * data["y"], 3.0 * data["x"]], axis=1).astype(np.float64)
+            @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy())
+    export(model, tmp_path / "1")
+    served = load(tmp_path / "1").signatures["serving_default"](**data)["out"]
+    np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert verify(tmp_path / "1", against=model)["input_shapes"] == {
+        "z": [2, 4], "y": [2, 8], "x": [2, 4]}
+
+
 def test_nested_outputs_under_a_dict_get_one_key_per_leaf_and_repeated_names_a_suffix(tmp_path):
     inp = keras.Input((8,), name="x")
     first = keras.layers.Dense(4, name="first")(inp)
