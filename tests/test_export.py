@@ -1402,6 +1402,27 @@ def test_keras_tfsmlayer_reloads_exports_through_serve(mixed, tmp_path, mode):
         "output_0", "output_1"}
 
 
+def test_ordered_dict_outputs_come_back_under_their_own_keys_through_serve(tmp_path):
+    """An OrderedDict of outputs flattens as inserted: `serve` (TFSMLayer) returns each output
+    under its own key (it packed them in sorted key order: 'zz' got 'aa''s tensor)."""
+    import collections  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,), name="x")
+    outputs = collections.OrderedDict([("zz", keras.layers.Dense(4, name="p")(inp)),
+                                       ("aa", keras.layers.Dense(8, name="q")(inp))])
+    model = tf_sparse24.prune(keras.Model(inp, outputs))
+    x = np.random.default_rng(3).standard_normal((2, 8)).astype("float32")
+    want = model(x)
+    export(model, tmp_path / "1")
+    served = load(tmp_path / "1").signatures["serving_default"](x=x)
+    for served in (served, keras.layers.TFSMLayer(tmp_path / "1")(x)):
+        assert {k: tuple(v.shape) for k, v in served.items()} == {"zz": (2, 4), "aa": (2, 8)}
+        for key in ("zz", "aa"):
+            np.testing.assert_allclose(served[key], want[key], rtol=1e-5, atol=1e-6)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"].keys() == {"zz", "aa"}
+
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_accelerated_dense_on_a_lookups_integer_or_sparse_one_hot(sparse, tmp_path):
     """StringLookup's multi-hot is int64 (Keras' matmul promotes it); a sparse one is a

@@ -199,11 +199,12 @@ def _has_graph(model: keras.Model) -> bool:
 
 def flat_outputs(outputs) -> tuple[list, list[str] | None]:
     """The model's outputs as a flat list, and a key for each when they come in a dict: the
-    dict's keys in sorted order, `<key>_<i>` for the leaves of a list, tuple or dict under one."""
+    dict's keys in `keras.tree.flatten` order (sorted; an OrderedDict's as inserted), so the list
+    packs back into the structure; `<key>_<i>` for the leaves of a list, tuple or dict under one."""
     if not isinstance(outputs, dict):
         return keras.tree.flatten(outputs), None
     flat, keys = [], []
-    for key in sorted(outputs):
+    for key in _flat_keys(outputs):
         leaves = keras.tree.flatten(outputs[key])
         flat += leaves
         leaf = not keras.tree.is_nested(outputs[key])
