@@ -1320,6 +1320,26 @@ def test_verify_calls_a_model_with_nested_named_inputs_in_their_structure(struct
         "z": [2, 4], "y": [2, 8], "x": [2, 4]}
 
 
+def test_a_list_input_signature_of_labels_for_an_unsorted_dict_model_is_refused(tmp_path):
+    """Labels are bound by position; a model taking {"zeta": ..., "alpha": ...} has none a reader
+    can tell (its values flatten sorted, as alpha, zeta; Keras refuses to call it with a list):
+    'first' was bound to alpha. Refused, naming the keys; a dict whose keys are sorted keeps
+    the binding by position."""
+    zeta, alpha = keras.Input((4,), name="zeta"), keras.Input((4,), name="alpha")
+    h = keras.layers.Concatenate()([zeta, 3.0 * alpha])
+    out = keras.layers.Dense(4, name="p")(h)
+    labels = [tf.TensorSpec([None, 4], name=n) for n in ("first", "second")]
+    model = tf_sparse24.prune(keras.Model({"zeta": zeta, "alpha": alpha}, out))
+    with pytest.raises(ValueError, match=r"keys \['zeta', 'alpha'\]: name the input_signature's"):
+        export(model, tmp_path / "1", input_signature=labels)
+    assert not (tmp_path / "1").exists()
+    model = tf_sparse24.prune(keras.Model({"alpha": alpha, "zeta": zeta}, out))
+    export(model, tmp_path / "2", input_signature=labels)
+    x = np.random.default_rng(8).standard_normal((2, 2, 4)).astype("float32")
+    served = load(tmp_path / "2").signatures["serving_default"](first=x[0], second=x[1])["p"]
+    np.testing.assert_allclose(served, model({"alpha": x[0], "zeta": x[1]}), rtol=1e-5, atol=1e-6)
+
+
 def test_nested_outputs_under_a_dict_get_one_key_per_leaf_and_repeated_names_a_suffix(tmp_path):
     inp = keras.Input((8,), name="x")
     first = keras.layers.Dense(4, name="first")(inp)

@@ -98,6 +98,15 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
         if own is not None and sorted(own) == sorted(names):  # the model's names: bound by name
             by_name = {s.name: s for s in specs}
             return _check_castable(model, [by_name[name] for name in own])
+        structure = model.input if _has_graph(model) else None
+        if isinstance(structure, dict) and list(structure) != sorted(structure):
+            # Labels are bound by position, and a dict written in another order than sorted has
+            # none a reader can tell (Keras refuses to call such a model with a list, too).
+            raise ValueError(
+                f"model {model.name!r} takes a dict of inputs with keys {list(structure)}: name "
+                "the input_signature's specs by those keys (bound by name) or pass a dict "
+                f"input_signature. Received: {names}"
+            )
         return _check_castable(model, specs)
     try:
         inputs = keras.tree.flatten(model.input)
