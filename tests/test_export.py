@@ -1340,6 +1340,32 @@ def test_a_list_input_signature_of_labels_for_an_unsorted_dict_model_is_refused(
     np.testing.assert_allclose(served, model({"alpha": x[0], "zeta": x[1]}), rtol=1e-5, atol=1e-6)
 
 
+def test_a_dict_input_signature_is_checked_against_the_inputs_it_names(tmp_path):
+    """A dict input_signature for a model taking a list of a string and an int input, the keys in
+    another order than the list: each spec's dtype is compared with the input of its name (it was
+    compared by position: 'ids' with the string input, and a right signature refused)."""
+    keras.utils.set_random_seed(0)
+    words = keras.Input((1,), dtype="string", name="word")
+    ids = keras.Input((5,), dtype="int32", name="ids")
+    one_hot = keras.layers.StringLookup(vocabulary=["a", "b", "c"], output_mode="one_hot")
+    h = keras.layers.Concatenate()([
+        keras.layers.Flatten()(keras.layers.Embedding(10, 4)(ids)),
+        keras.layers.Reshape((4,))(one_hot(words)),
+    ])  # fmt: skip
+    model = tf_sparse24.prune(keras.Model([words, ids], keras.layers.Dense(8, name="out")(h)))
+    signature = {"ids": tf.TensorSpec([None, 5], tf.int32),
+                 "word": tf.TensorSpec([None, 1], tf.string)}
+    export(model, tmp_path / "1", input_signature=signature)
+    x = {"ids": np.array([[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]], "int32"),
+         "word": np.array([["a"], ["c"]], object)}
+    served = load(tmp_path / "1").signatures["serving_default"](**x)["out"]
+    np.testing.assert_allclose(served, model([x["word"], x["ids"]]), rtol=1e-5, atol=1e-6)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"]["out"] < 1e-5
+    signature["ids"] = tf.TensorSpec([None, 5], tf.string)  # still refused where it is wrong
+    with pytest.raises(ValueError, match=r"input 'ids' is string, but model .* takes int32"):
+        export(model, tmp_path / "2", input_signature=signature)
+
+
 def test_nested_outputs_under_a_dict_get_one_key_per_leaf_and_repeated_names_a_suffix(tmp_path):
     inp = keras.Input((8,), name="x")
     first = keras.layers.Dense(4, name="first")(inp)

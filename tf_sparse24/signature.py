@@ -51,10 +51,13 @@ def _check_castable(model: keras.Model, specs: list[tf.TensorSpec]) -> list[tf.T
         structure = model.input
     except (AttributeError, ValueError):  # no symbolic inputs: nothing to compare with
         return specs
-    if isinstance(structure, dict) and {s.name for s in specs} == set(structure):
-        pairs = [(s, structure[s.name]) for s in specs]  # a dict signature binds by name
+    inputs = keras.tree.flatten(structure)
+    # Bound by name where the specs are named so: a dict's keys, else the inputs' own names (a
+    # dict input_signature for a model taking a list: Keras binds it by those names).
+    named = structure if isinstance(structure, dict) else {t.name: t for t in inputs}
+    if {s.name for s in specs} == set(named) and len(named) == len(specs):
+        pairs = [(s, named[s.name]) for s in specs]
     else:
-        inputs = keras.tree.flatten(structure)
         pairs = list(zip(specs, inputs)) if len(inputs) == len(specs) else []
     for spec, t in pairs:
         if (spec.dtype == tf.string) != (tf.as_dtype(t.dtype) == tf.string):
