@@ -1145,6 +1145,31 @@ def test_an_ordered_dict_input_models_inputs_are_served_under_their_own_keys(tmp
 
 
 @pytest.mark.parametrize("mode", ["portable", "accelerated"])
+def test_a_dict_input_signature_feeds_an_ordered_dict_models_inputs_by_key(tmp_path, mode):
+    """A dict input_signature for a model built on an OrderedDict: each spec reaches the input
+    under its key. (Keras binds a plain dict's values in sorted order to an OrderedDict's inputs
+    in insertion order: called with one, the model took alpha's values as zeta's.)"""
+    import collections  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    inputs = collections.OrderedDict([("zeta", keras.Input((4,), name="zeta")),
+                                      ("alpha", keras.Input((4,), name="alpha"))])
+    h = keras.layers.Concatenate()([inputs["zeta"], 2.0 * inputs["alpha"]])
+    model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Dense(4, name="score")(h)))
+    rng = np.random.default_rng(5)
+    x = {"zeta": rng.standard_normal((3, 4)).astype("float32"),
+         "alpha": rng.standard_normal((3, 4)).astype("float32")}
+    dense = model.get_layer("sparse24_score").layer
+    want = (np.concatenate([x["zeta"], 2.0 * x["alpha"]], axis=1).astype(np.float64)
+            @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy())
+    signature = {"alpha": tf.TensorSpec([None, 4]), "zeta": tf.TensorSpec([None, 4])}
+    export(model, tmp_path / "1", mode=mode, input_signature=signature)
+    served = load(tmp_path / "1").signatures["serving_default"](**x)["score"]
+    np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"]["score"] < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["portable", "accelerated"])
 def test_time_distributed_with_an_unknown_number_of_steps_is_refused(tmp_path, mode):
     """Keras 3.15's TimeDistributed, traced with an unknown time axis, maps its layer over as many
     steps as the batch has rows (a plain Keras model in a tf.function does the same): such an
@@ -1272,6 +1297,75 @@ def test_a_list_input_signature_binds_the_models_inputs_by_name(kind, tmp_path, 
         verify(tmp_path / "2", against=model)
 
 
+@pytest.mark.parametrize("structure", ["nested list", "tuple of dicts"])
+def test_verify_calls_a_model_with_nested_named_inputs_in_their_structure(structure, tmp_path):
+    """Inputs named in a nested structure ([[z, y], x], ({"q": q}, {"p": p})): served by name,
+    and verify feeds the model by those names in its own structure (it passed a flat dict, which
+    Keras refuses for a nested structure: 'could not be compared')."""
+    keras.utils.set_random_seed(0)
+    z, y, x = (keras.Input((w,), name=n) for n, w in (("z", 4), ("y", 8), ("x", 4)))
+    h = keras.layers.Concatenate()([z, 2.0 * y, 3.0 * x])
+    inputs = [[z, y], x] if structure == "nested list" else ({"y": y}, {"x": x, "z": z})
+    model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Dense(4, name="out")(h)))
+    rng = np.random.default_rng(7)
+    data = {n: rng.standard_normal((3, w)).astype("float32") for n, w in (("z", 4), ("y", 8),
+                                                                           ("x", 4))}
+    dense = model.get_layer("sparse24_out").layer
+    want = (np.concatenate([data["z"], 2.0 * data["y"], 3.0 * data["x"]], axis=1).astype(np.float64)
+            @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy())
+    export(model, tmp_path / "1")
+    served = load(tmp_path / "1").signatures["serving_default"](**data)["out"]
+    np.testing.assert_allclose(served.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert verify(tmp_path / "1", against=model)["input_shapes"] == {
+        "z": [2, 4], "y": [2, 8], "x": [2, 4]}
+
+
+def test_a_list_input_signature_of_labels_for_an_unsorted_dict_model_is_refused(tmp_path):
+    """Labels are bound by position; a model taking {"zeta": ..., "alpha": ...} has none a reader
+    can tell (its values flatten sorted, as alpha, zeta; Keras refuses to call it with a list):
+    'first' was bound to alpha. Refused, naming the keys; a dict whose keys are sorted keeps
+    the binding by position."""
+    zeta, alpha = keras.Input((4,), name="zeta"), keras.Input((4,), name="alpha")
+    h = keras.layers.Concatenate()([zeta, 3.0 * alpha])
+    out = keras.layers.Dense(4, name="p")(h)
+    labels = [tf.TensorSpec([None, 4], name=n) for n in ("first", "second")]
+    model = tf_sparse24.prune(keras.Model({"zeta": zeta, "alpha": alpha}, out))
+    with pytest.raises(ValueError, match=r"keys \['zeta', 'alpha'\]: name the input_signature's"):
+        export(model, tmp_path / "1", input_signature=labels)
+    assert not (tmp_path / "1").exists()
+    model = tf_sparse24.prune(keras.Model({"alpha": alpha, "zeta": zeta}, out))
+    export(model, tmp_path / "2", input_signature=labels)
+    x = np.random.default_rng(8).standard_normal((2, 2, 4)).astype("float32")
+    served = load(tmp_path / "2").signatures["serving_default"](first=x[0], second=x[1])["p"]
+    np.testing.assert_allclose(served, model({"alpha": x[0], "zeta": x[1]}), rtol=1e-5, atol=1e-6)
+
+
+def test_a_dict_input_signature_is_checked_against_the_inputs_it_names(tmp_path):
+    """A dict input_signature for a model taking a list of a string and an int input, the keys in
+    another order than the list: each spec's dtype is compared with the input of its name (it was
+    compared by position: 'ids' with the string input, and a right signature refused)."""
+    keras.utils.set_random_seed(0)
+    words = keras.Input((1,), dtype="string", name="word")
+    ids = keras.Input((5,), dtype="int32", name="ids")
+    one_hot = keras.layers.StringLookup(vocabulary=["a", "b", "c"], output_mode="one_hot")
+    h = keras.layers.Concatenate()([
+        keras.layers.Flatten()(keras.layers.Embedding(10, 4)(ids)),
+        keras.layers.Reshape((4,))(one_hot(words)),
+    ])  # fmt: skip
+    model = tf_sparse24.prune(keras.Model([words, ids], keras.layers.Dense(8, name="out")(h)))
+    signature = {"ids": tf.TensorSpec([None, 5], tf.int32),
+                 "word": tf.TensorSpec([None, 1], tf.string)}
+    export(model, tmp_path / "1", input_signature=signature)
+    x = {"ids": np.array([[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]], "int32"),
+         "word": np.array([["a"], ["c"]], object)}
+    served = load(tmp_path / "1").signatures["serving_default"](**x)["out"]
+    np.testing.assert_allclose(served, model([x["word"], x["ids"]]), rtol=1e-5, atol=1e-6)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"]["out"] < 1e-5
+    signature["ids"] = tf.TensorSpec([None, 5], tf.string)  # still refused where it is wrong
+    with pytest.raises(ValueError, match=r"input 'ids' is string, but model .* takes int32"):
+        export(model, tmp_path / "2", input_signature=signature)
+
+
 def test_nested_outputs_under_a_dict_get_one_key_per_leaf_and_repeated_names_a_suffix(tmp_path):
     inp = keras.Input((8,), name="x")
     first = keras.layers.Dense(4, name="first")(inp)
@@ -1352,6 +1446,27 @@ def test_keras_tfsmlayer_reloads_exports_through_serve(mixed, tmp_path, mode):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert set(verify(tmp_path / "two" / "1", against=two)["max_abs_diff"]) == {
         "output_0", "output_1"}
+
+
+def test_ordered_dict_outputs_come_back_under_their_own_keys_through_serve(tmp_path):
+    """An OrderedDict of outputs flattens as inserted: `serve` (TFSMLayer) returns each output
+    under its own key (it packed them in sorted key order: 'zz' got 'aa''s tensor)."""
+    import collections  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,), name="x")
+    outputs = collections.OrderedDict([("zz", keras.layers.Dense(4, name="p")(inp)),
+                                       ("aa", keras.layers.Dense(8, name="q")(inp))])
+    model = tf_sparse24.prune(keras.Model(inp, outputs))
+    x = np.random.default_rng(3).standard_normal((2, 8)).astype("float32")
+    want = model(x)
+    export(model, tmp_path / "1")
+    served = load(tmp_path / "1").signatures["serving_default"](x=x)
+    for served in (served, keras.layers.TFSMLayer(tmp_path / "1")(x)):
+        assert {k: tuple(v.shape) for k, v in served.items()} == {"zz": (2, 4), "aa": (2, 8)}
+        for key in ("zz", "aa"):
+            np.testing.assert_allclose(served[key], want[key], rtol=1e-5, atol=1e-6)
+    assert verify(tmp_path / "1", against=model)["max_abs_diff"].keys() == {"zz", "aa"}
 
 
 @pytest.mark.parametrize("sparse", [False, True])

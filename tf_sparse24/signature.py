@@ -51,10 +51,13 @@ def _check_castable(model: keras.Model, specs: list[tf.TensorSpec]) -> list[tf.T
         structure = model.input
     except (AttributeError, ValueError):  # no symbolic inputs: nothing to compare with
         return specs
-    if isinstance(structure, dict) and {s.name for s in specs} == set(structure):
-        pairs = [(s, structure[s.name]) for s in specs]  # a dict signature binds by name
+    inputs = keras.tree.flatten(structure)
+    # Bound by name where the specs are named so: a dict's keys, else the inputs' own names (a
+    # dict input_signature for a model taking a list: Keras binds it by those names).
+    named = structure if isinstance(structure, dict) else {t.name: t for t in inputs}
+    if {s.name for s in specs} == set(named) and len(named) == len(specs):
+        pairs = [(s, named[s.name]) for s in specs]
     else:
-        inputs = keras.tree.flatten(structure)
         pairs = list(zip(specs, inputs)) if len(inputs) == len(specs) else []
     for spec, t in pairs:
         if (spec.dtype == tf.string) != (tf.as_dtype(t.dtype) == tf.string):
@@ -98,6 +101,15 @@ def input_specs(model: keras.Model, input_signature) -> list[tf.TensorSpec]:
         if own is not None and sorted(own) == sorted(names):  # the model's names: bound by name
             by_name = {s.name: s for s in specs}
             return _check_castable(model, [by_name[name] for name in own])
+        structure = model.input if _has_graph(model) else None
+        if isinstance(structure, dict) and list(structure) != sorted(structure):
+            # Labels are bound by position, and a dict written in another order than sorted has
+            # none a reader can tell (Keras refuses to call such a model with a list, too).
+            raise ValueError(
+                f"model {model.name!r} takes a dict of inputs with keys {list(structure)}: name "
+                "the input_signature's specs by those keys (bound by name) or pass a dict "
+                f"input_signature. Received: {names}"
+            )
         return _check_castable(model, specs)
     try:
         inputs = keras.tree.flatten(model.input)
@@ -162,7 +174,14 @@ def model_arguments(
     `keys` (a dict input_signature), one per parameter of a `call(self, a, b)`, else
     `model.input`'s structure, else the tensor or the list."""
     if keys is not None:
-        return (dict(zip(keys, inputs)),)
+        given = dict(zip(keys, inputs))
+        structure = getattr(model, "input", None) if _has_graph(model) else None
+        if isinstance(structure, dict) and set(structure) == set(given):
+            # Keras binds a dict's values in flattened order: a plain dict's (sorted) is not an
+            # OrderedDict's (as inserted), so pass the model a dict of its own kind.
+            flat = [given[k] for k in _flat_keys(structure)]
+            return (keras.tree.pack_sequence_as(structure, flat),)
+        return (given,)
     if positional_inputs(model):
         return tuple(inputs)
     try:
@@ -192,11 +211,12 @@ def _has_graph(model: keras.Model) -> bool:
 
 def flat_outputs(outputs) -> tuple[list, list[str] | None]:
     """The model's outputs as a flat list, and a key for each when they come in a dict: the
-    dict's keys in sorted order, `<key>_<i>` for the leaves of a list, tuple or dict under one."""
+    dict's keys in `keras.tree.flatten` order (sorted; an OrderedDict's as inserted), so the list
+    packs back into the structure; `<key>_<i>` for the leaves of a list, tuple or dict under one."""
     if not isinstance(outputs, dict):
         return keras.tree.flatten(outputs), None
     flat, keys = [], []
-    for key in sorted(outputs):
+    for key in _flat_keys(outputs):
         leaves = keras.tree.flatten(outputs[key])
         flat += leaves
         leaf = not keras.tree.is_nested(outputs[key])

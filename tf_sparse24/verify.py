@@ -169,16 +169,15 @@ def _run_both(loaded, metadata: dict, model: keras.Model, size: int, seed: int):
     keys = list(inputs) if metadata["signature"].get("input_structure") == "dict" else None
     own = model_input_names(model)
     if own is not None and len(own) > 1 and sorted(own) == sorted(inputs):
-        # By name (a Functional model takes a dict of its input names), not through the binding
-        # the export made, so a served input bound to the wrong model input shows. A model built
-        # on a dict takes one of its own kind: Keras binds a dict's values in flattened order, and
-        # a plain dict's (sorted) is not an OrderedDict's (as inserted).
+        # By name, not through the binding the export made, so a served input bound to the wrong
+        # model input shows: each named input in its place in the model's own structure (a
+        # nested one takes no flat dict of names; and Keras binds a dict's values in flattened
+        # order, a plain dict's (sorted) not an OrderedDict's (as inserted)).
+        by_name = [inputs[name] for name in own]
         if positional_inputs(model):
-            args = tuple(inputs[name] for name in own)
-        elif isinstance(model.input, dict):
-            args = (keras.tree.pack_sequence_as(model.input, [inputs[name] for name in own]),)
+            args = tuple(by_name)
         else:
-            args = (inputs,)
+            args = (keras.tree.pack_sequence_as(model.input, by_name),)
     else:
         args = model_arguments(model, list(inputs.values()), keys)
     # In graph mode, as the export runs: TensorFlow's graph rewrites (fused swish, batch norm
