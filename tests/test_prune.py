@@ -1483,3 +1483,38 @@ def test_a_frozen_layer_stays_frozen_and_says_so_through_prune_and_a_keras_file(
     loaded.compile(keras.optimizers.SGD(0.1), "mse")
     loaded.fit(X[:, 0].repeat(2, axis=1), np.ones((4, 4), "float32"), verbose=0)
     assert not np.array_equal(loaded.layers[0].layer.kernel.numpy(), kernel)
+
+
+def test_report_rows_for_the_layers_of_a_block_with_a_kernel_of_its_own():
+    # A user's block holding Dense layers and a weight of its own: the row saying the block's own
+    # weight has no rule left out the rows of its Dense layers (eligible, or skipped and why).
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.narrow = keras.layers.Dense(3, name="narrow")
+            self.wide = keras.layers.Dense(8, name="wide")
+            self.proj = keras.layers.Dense(8, name="proj")
+
+        def build(self, shape):
+            self.narrow.build(shape)
+            self.wide.build((None, 3))
+            self.proj.build(shape)
+            self.w = self.add_weight(shape=(8, 8), name="w")
+
+        def call(self, x):
+            return self.wide(self.narrow(x)) + self.proj(x) @ self.w
+
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, Block(name="blk")(inputs))
+    rows = {r.layer: r for r in ts.report(model, print_fn=None)}
+    assert rows["blk"].status == "skipped" and rows["blk"].params == 64
+    assert "no rule for this layer's own weights (w)" in rows["blk"].reason
+    assert rows["proj"].status == "not pruned" and rows["proj"].params == 64
+    assert rows["narrow"].status == "not pruned" and rows["narrow"].params == 24
+    assert rows["wide"].status == "skipped" and "size 3 is not a multiple of 4" in rows["wide"].reason
+    pruned = ts.prune(model, skip="blk/proj")
+    rows = {r.layer: r for r in ts.report(pruned, print_fn=None)}
+    (wrapper,) = ts.pruned_layers(pruned)
+    assert rows[wrapper.name].status == "pruned" and rows[wrapper.name].params == 24
+    assert rows["proj"].status == "not pruned" and rows["proj"].params == 64
+    assert rows[wrapper.layer.name].params == 64 and rows["wide"].status == "skipped"

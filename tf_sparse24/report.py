@@ -103,7 +103,8 @@ def _skip_reasons(layer: keras.layers.Layer, m: int) -> list[str]:
 def _unpruned_row(layer, claimed: set[int], m: int) -> LayerReport | None:
     """`report()`'s row for a plain layer: its eligible weights left dense, else the reasons it is
     skipped, else None. Weights already reported (`claimed`) are left out; a row claims all of the
-    layer's weights, so MultiHeadAttention's sublayers do not repeat its row."""
+    layer's weights, so MultiHeadAttention's sublayers do not repeat its row (a user's layer with
+    a kernel of its own claims only that: the Dense layers it holds are reported as they are)."""
     if isinstance(layer, keras.Model) or not layer.weights:
         return None
     if all(id(v) in claimed for v in layer.weights):
@@ -131,6 +132,8 @@ def _unpruned_row(layer, claimed: set[int], m: int) -> LayerReport | None:
             layer.name, kind, "skipped",
             f"no rule for this layer's own weights ({paths}): to prune them, wrap it as "
             "tf_sparse24.Sparse24(layer, weights={path: reduction axis})", params, params, None)
+        claimed |= {id(v) for v in unknown}  # its sublayers' weights get their own rows
+        return row
     else:
         return None
     claimed |= {id(v) for v in layer.weights}
