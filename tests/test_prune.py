@@ -1518,3 +1518,34 @@ def test_report_rows_for_the_layers_of_a_block_with_a_kernel_of_its_own():
     assert rows[wrapper.name].status == "pruned" and rows[wrapper.name].params == 24
     assert rows["proj"].status == "not pruned" and rows["proj"].params == 64
     assert rows[wrapper.layer.name].params == 64 and rows["wide"].status == "skipped"
+
+
+def test_prune_refuses_a_block_whose_config_hands_over_a_layer_it_builds():
+    # get_config() returns the layer object; the block's build() builds it, so building the copy
+    # rebuilt the original's built Dense: Keras' "cannot add new elements of state" ValueError,
+    # not the error that says what is wrong.
+    class Holder(keras.layers.Layer):
+        def __init__(self, inner, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = inner
+
+        def build(self, shape):
+            self.inner.build(shape)
+
+        def call(self, x):
+            return self.inner(x)
+
+        def get_config(self):
+            return {**super().get_config(), "inner": self.inner}
+
+    inputs = keras.Input((8,))
+    h = Holder(keras.layers.Dense(8, name="inner"), name="holder")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(h))
+    before = [w.copy() for w in model.get_weights()]
+    for kwargs in ({}, {"skip": "holder"}):
+        with pytest.raises(TypeError, match=r"'holder' \(Holder\): the copy made from its "
+                                            r"get_config\(\) holds the layer's own variables "
+                                            r"\['holder/inner/kernel', 'holder/inner/bias'\]"):
+            ts.prune(model, **kwargs)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
