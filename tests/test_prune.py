@@ -1549,3 +1549,52 @@ def test_prune_refuses_a_block_whose_config_hands_over_a_layer_it_builds():
             ts.prune(model, **kwargs)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_frozen_layers_inside_blocks_stay_frozen_in_the_copies():
+    # A block's config does not record that a layer it holds was frozen: the copies trained the
+    # frozen Dense and updated the frozen BatchNormalization's moving statistics.
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.d1 = keras.layers.Dense(8, name="d1")
+            self.bn = keras.layers.BatchNormalization(name="bn")
+            self.d2 = keras.layers.Dense(8, name="d2")
+
+        def build(self, shape):
+            self.d1.build(shape)
+            self.bn.build((None, 8))
+            self.d2.build((None, 8))
+
+        def call(self, x, training=None):
+            return self.d2(self.bn(self.d1(x), training=training))
+
+    class Net(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = ts.Sparse24(keras.layers.Dense(8))
+            self.head = ts.Sparse24(keras.layers.Dense(4))
+
+        def call(self, x):
+            return self.head(self.hidden(x))
+
+    inputs = keras.Input((8,))
+    block = Block(name="blk")
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(block(inputs)))
+    block.d1.trainable = block.bn.trainable = False
+    net = Net()
+    net(X[0])
+    net.hidden.trainable = False
+    trainable = lambda m: sorted(v.path for v in m.trainable_weights)  # noqa: E731
+    pruned = ts.prune(model)
+    for copy in (pruned, ts.strip(pruned), ts.prune(model, skip="blk")):
+        assert trainable(copy) == trainable(model) == ["blk/d2/bias", "blk/d2/kernel",
+                                                       "out/bias", "out/kernel"]
+    assert not ts.prune(net).hidden.trainable and len(ts.prune(net).trainable_weights) == 2
+    before = {v.path: v.numpy() for v in pruned.weights if "/d1/" in v.path or "/bn/" in v.path}
+    assert len(before) == 6  # d1's kernel and bias, bn's gamma, beta and moving statistics
+    pruned.compile(keras.optimizers.SGD(0.1), "mse")
+    pruned.fit(X[:, 0], X[:, 0, :4], epochs=1, verbose=0)
+    for v in pruned.weights:
+        if v.path in before:
+            np.testing.assert_array_equal(v.numpy(), before[v.path], err_msg=v.path)

@@ -53,7 +53,8 @@ def check_untied(model: keras.Model, what: str) -> None:
 def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
     """Copies the state of every layer under `source` into its same-structured copy `target`.
 
-    First as a `.keras` file would, layer by layer: `save_own_variables` / `load_own_variables` (an
+    Each layer's `trainable` flag, which a block's config leaves out for the layers it holds. Then
+    as a `.keras` file would, layer by layer: `save_own_variables` / `load_own_variables` (an
     adapted Normalization recomputes its mean and variance) and `save_assets` / `load_assets`
     (lookup vocabularies). Then the variables as they are: Keras saves a LoRA layer's kernel
     merged with its adapters and zeroes the adapters on loading.
@@ -67,7 +68,10 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
             f"get_config() and build config has other sublayers ({len(targets)} layers, not "
             f"{len(sources)})."
         )
-    for a, b in zip(sources, targets):
+    for a, b in zip(sources, targets):  # each layer before the layers inside it
+        # A frozen sublayer (block.dense.trainable = False, a frozen BatchNormalization in a
+        # block) is frozen in the copy too: its owner's config does not record it.
+        b.trainable = a.trainable
         _copy_lora(a, b)
         store = {}
         a.save_own_variables(store)
