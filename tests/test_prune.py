@@ -1598,3 +1598,17 @@ def test_frozen_layers_inside_blocks_stay_frozen_in_the_copies():
     for v in pruned.weights:
         if v.path in before:
             np.testing.assert_array_equal(v.numpy(), before[v.path], err_msg=v.path)
+
+
+def test_report_counts_the_nonzeros_of_skipped_weights():
+    # Skipped rows gave nonzeros = params (density 1.000) whatever the weights held.
+    inputs = keras.Input((8, 8, 3))
+    first = keras.layers.Conv2D(8, 3, name="first")
+    model = keras.Model(inputs, keras.layers.Conv2D(8, 1, name="second")(first(inputs)))
+    kernel = first.kernel.numpy()
+    kernel[..., :4] = 0
+    first.kernel.assign(kernel)
+    for m in (model, ts.prune(model)):
+        row = next(r for r in ts.report(m, print_fn=None) if r.layer == "first")
+        assert row.status == "skipped" and (row.params, row.nonzeros) == (216, 108)
+        assert row.density == 0.5
