@@ -1483,3 +1483,132 @@ def test_a_frozen_layer_stays_frozen_and_says_so_through_prune_and_a_keras_file(
     loaded.compile(keras.optimizers.SGD(0.1), "mse")
     loaded.fit(X[:, 0].repeat(2, axis=1), np.ones((4, 4), "float32"), verbose=0)
     assert not np.array_equal(loaded.layers[0].layer.kernel.numpy(), kernel)
+
+
+def test_report_rows_for_the_layers_of_a_block_with_a_kernel_of_its_own():
+    # A user's block holding Dense layers and a weight of its own: the row saying the block's own
+    # weight has no rule left out the rows of its Dense layers (eligible, or skipped and why).
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.narrow = keras.layers.Dense(3, name="narrow")
+            self.wide = keras.layers.Dense(8, name="wide")
+            self.proj = keras.layers.Dense(8, name="proj")
+
+        def build(self, shape):
+            self.narrow.build(shape)
+            self.wide.build((None, 3))
+            self.proj.build(shape)
+            self.w = self.add_weight(shape=(8, 8), name="w")
+
+        def call(self, x):
+            return self.wide(self.narrow(x)) + self.proj(x) @ self.w
+
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, Block(name="blk")(inputs))
+    rows = {r.layer: r for r in ts.report(model, print_fn=None)}
+    assert rows["blk"].status == "skipped" and rows["blk"].params == 64
+    assert "no rule for this layer's own weights (w)" in rows["blk"].reason
+    assert rows["proj"].status == "not pruned" and rows["proj"].params == 64
+    assert rows["narrow"].status == "not pruned" and rows["narrow"].params == 24
+    assert rows["wide"].status == "skipped" and "size 3 is not a multiple of 4" in rows["wide"].reason
+    pruned = ts.prune(model, skip="blk/proj")
+    rows = {r.layer: r for r in ts.report(pruned, print_fn=None)}
+    (wrapper,) = ts.pruned_layers(pruned)
+    assert rows[wrapper.name].status == "pruned" and rows[wrapper.name].params == 24
+    assert rows["proj"].status == "not pruned" and rows["proj"].params == 64
+    assert rows[wrapper.layer.name].params == 64 and rows["wide"].status == "skipped"
+
+
+def test_prune_refuses_a_block_whose_config_hands_over_a_layer_it_builds():
+    # get_config() returns the layer object; the block's build() builds it, so building the copy
+    # rebuilt the original's built Dense: Keras' "cannot add new elements of state" ValueError,
+    # not the error that says what is wrong.
+    class Holder(keras.layers.Layer):
+        def __init__(self, inner, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = inner
+
+        def build(self, shape):
+            self.inner.build(shape)
+
+        def call(self, x):
+            return self.inner(x)
+
+        def get_config(self):
+            return {**super().get_config(), "inner": self.inner}
+
+    inputs = keras.Input((8,))
+    h = Holder(keras.layers.Dense(8, name="inner"), name="holder")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(h))
+    before = [w.copy() for w in model.get_weights()]
+    for kwargs in ({}, {"skip": "holder"}):
+        with pytest.raises(TypeError, match=r"'holder' \(Holder\): the copy made from its "
+                                            r"get_config\(\) holds the layer's own variables "
+                                            r"\['holder/inner/kernel', 'holder/inner/bias'\]"):
+            ts.prune(model, **kwargs)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_frozen_layers_inside_blocks_stay_frozen_in_the_copies():
+    # A block's config does not record that a layer it holds was frozen: the copies trained the
+    # frozen Dense and updated the frozen BatchNormalization's moving statistics.
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.d1 = keras.layers.Dense(8, name="d1")
+            self.bn = keras.layers.BatchNormalization(name="bn")
+            self.d2 = keras.layers.Dense(8, name="d2")
+
+        def build(self, shape):
+            self.d1.build(shape)
+            self.bn.build((None, 8))
+            self.d2.build((None, 8))
+
+        def call(self, x, training=None):
+            return self.d2(self.bn(self.d1(x), training=training))
+
+    class Net(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = ts.Sparse24(keras.layers.Dense(8))
+            self.head = ts.Sparse24(keras.layers.Dense(4))
+
+        def call(self, x):
+            return self.head(self.hidden(x))
+
+    inputs = keras.Input((8,))
+    block = Block(name="blk")
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(block(inputs)))
+    block.d1.trainable = block.bn.trainable = False
+    net = Net()
+    net(X[0])
+    net.hidden.trainable = False
+    trainable = lambda m: sorted(v.path for v in m.trainable_weights)  # noqa: E731
+    pruned = ts.prune(model)
+    for copy in (pruned, ts.strip(pruned), ts.prune(model, skip="blk")):
+        assert trainable(copy) == trainable(model) == ["blk/d2/bias", "blk/d2/kernel",
+                                                       "out/bias", "out/kernel"]
+    assert not ts.prune(net).hidden.trainable and len(ts.prune(net).trainable_weights) == 2
+    before = {v.path: v.numpy() for v in pruned.weights if "/d1/" in v.path or "/bn/" in v.path}
+    assert len(before) == 6  # d1's kernel and bias, bn's gamma, beta and moving statistics
+    pruned.compile(keras.optimizers.SGD(0.1), "mse")
+    pruned.fit(X[:, 0], X[:, 0, :4], epochs=1, verbose=0)
+    for v in pruned.weights:
+        if v.path in before:
+            np.testing.assert_array_equal(v.numpy(), before[v.path], err_msg=v.path)
+
+
+def test_report_counts_the_nonzeros_of_skipped_weights():
+    # Skipped rows gave nonzeros = params (density 1.000) whatever the weights held.
+    inputs = keras.Input((8, 8, 3))
+    first = keras.layers.Conv2D(8, 3, name="first")
+    model = keras.Model(inputs, keras.layers.Conv2D(8, 1, name="second")(first(inputs)))
+    kernel = first.kernel.numpy()
+    kernel[..., :4] = 0
+    first.kernel.assign(kernel)
+    for m in (model, ts.prune(model)):
+        row = next(r for r in ts.report(m, print_fn=None) if r.layer == "first")
+        assert row.status == "skipped" and (row.params, row.nonzeros) == (216, 108)
+        assert row.density == 0.5

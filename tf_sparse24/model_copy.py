@@ -53,7 +53,8 @@ def check_untied(model: keras.Model, what: str) -> None:
 def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
     """Copies the state of every layer under `source` into its same-structured copy `target`.
 
-    First as a `.keras` file would, layer by layer: `save_own_variables` / `load_own_variables` (an
+    Each layer's `trainable` flag, which a block's config leaves out for the layers it holds. Then
+    as a `.keras` file would, layer by layer: `save_own_variables` / `load_own_variables` (an
     adapted Normalization recomputes its mean and variance) and `save_assets` / `load_assets`
     (lookup vocabularies). Then the variables as they are: Keras saves a LoRA layer's kernel
     merged with its adapters and zeroes the adapters on loading.
@@ -67,7 +68,10 @@ def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
             f"get_config() and build config has other sublayers ({len(targets)} layers, not "
             f"{len(sources)})."
         )
-    for a, b in zip(sources, targets):
+    for a, b in zip(sources, targets):  # each layer before the layers inside it
+        # A frozen sublayer (block.dense.trainable = False, a frozen BatchNormalization in a
+        # block) is frozen in the copy too: its owner's config does not record it.
+        b.trainable = a.trainable
         _copy_lora(a, b)
         store = {}
         a.save_own_variables(store)
@@ -207,6 +211,17 @@ def _copy_autocast(layer: keras.layers.Layer, new: keras.layers.Layer) -> None:
             b.autocast = a.autocast
 
 
+def _refuse_shared(layer: keras.layers.Layer, variables: list) -> None:
+    """Raises when the copy of `layer` holds `variables` of the original (none: returns)."""
+    if variables:
+        raise TypeError(
+            f"Cannot copy layer {layer.name!r} ({type(layer).__name__}): the copy made from "
+            f"its get_config() holds the layer's own variables {[v.path for v in variables]}, so "
+            "training the copy would change the original. Its get_config() returns layer objects "
+            "instead of their configs: serialize them (keras.saving.serialize_keras_object) and "
+            "rebuild them in from_config().")
+
+
 def _copy_in_scope(layer, called_as: keras.layers.Layer | None, to_wrap: bool):
     """copy_layer's copy, under the RematScope it chose."""
     try:
@@ -218,6 +233,10 @@ def _copy_in_scope(layer, called_as: keras.layers.Layer | None, to_wrap: bool):
             "layers a get_config() returning their constructor arguments, and register the "
             "custom classes they hold with @keras.saving.register_keras_serializable()."
         ) from err
+    if isinstance(layer, keras.layers.Layer):  # checked before the copy is built: its build()
+        copied = {id(sub) for sub in walk_layers(new)}  # would build the original's sublayers
+        _refuse_shared(layer, [v for sub in walk_layers(layer) if id(sub) in copied
+                               for v in sub.weights])
     if isinstance(layer, keras.layers.Layer) and layer.built:
         if layer.weights and not new.built:  # some layers build in __init__ (keras_hub decoders)
             with warnings.catch_warnings():  # a layer without build(): the first call builds it
@@ -236,14 +255,8 @@ def _copy_in_scope(layer, called_as: keras.layers.Layer | None, to_wrap: bool):
                 "sublayer, and a later or training call uses more of them), so the pruned model "
                 "could be saved but not loaded. Give it a build() that builds all its sublayers."
             )
-        if shared := {id(v) for v in new.weights} & {id(v) for v in layer.weights}:
-            names = [v.path for v in layer.weights if id(v) in shared]
-            raise TypeError(
-                f"Cannot copy layer {layer.name!r} ({type(layer).__name__}): the copy made from "
-                f"its get_config() holds the layer's own variables {names}, so training the copy "
-                "would change the original. Its get_config() returns layer objects instead of "
-                "their configs: serialize them (keras.saving.serialize_keras_object) and rebuild "
-                "them in from_config().")
+        shared = {id(v) for v in new.weights}
+        _refuse_shared(layer, [v for v in layer.weights if id(v) in shared])
         try:
             _copy_state(layer, new)
         except ValueError as err:  # Keras' own variable-count check

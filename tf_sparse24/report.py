@@ -103,7 +103,8 @@ def _skip_reasons(layer: keras.layers.Layer, m: int) -> list[str]:
 def _unpruned_row(layer, claimed: set[int], m: int) -> LayerReport | None:
     """`report()`'s row for a plain layer: its eligible weights left dense, else the reasons it is
     skipped, else None. Weights already reported (`claimed`) are left out; a row claims all of the
-    layer's weights, so MultiHeadAttention's sublayers do not repeat its row."""
+    layer's weights, so MultiHeadAttention's sublayers do not repeat its row (a user's layer with
+    a kernel of its own claims only that: the Dense layers it holds are reported as they are)."""
     if isinstance(layer, keras.Model) or not layer.weights:
         return None
     if all(id(v) in claimed for v in layer.weights):
@@ -117,24 +118,29 @@ def _unpruned_row(layer, claimed: set[int], m: int) -> LayerReport | None:
                           sum(int(np.prod(v.shape)) for _, v in dense),
                           sum(int(np.count_nonzero(v)) for _, v in dense), None)
     elif reasons and not eligible:
-        params = sum(
-            int(np.prod(v.shape)) for v in layer.weights if v.ndim >= 2 and id(v) not in claimed
-        )
-        row = LayerReport(layer.name, kind, "skipped", "; ".join(reasons), params, params, None)
+        left = [v for v in layer.weights if v.ndim >= 2 and id(v) not in claimed]
+        row = LayerReport(layer.name, kind, "skipped", "; ".join(reasons), *_counts(left), None)
     elif not type(layer).__module__.startswith("keras.") and (unknown := [
             v for v in own_variables(layer) if v.ndim >= 2 and id(v) not in claimed]):
         # A user's layer with a kernel of its own (`x @ self.w`): which axis it reduces over is
         # unknown, so it is left dense, and said so.
-        params = sum(int(np.prod(v.shape)) for v in unknown)
         paths = ", ".join(v.path.split("/")[-1] for v in unknown)
         row = LayerReport(
             layer.name, kind, "skipped",
             f"no rule for this layer's own weights ({paths}): to prune them, wrap it as "
-            "tf_sparse24.Sparse24(layer, weights={path: reduction axis})", params, params, None)
+            "tf_sparse24.Sparse24(layer, weights={path: reduction axis})", *_counts(unknown), None)
+        claimed |= {id(v) for v in unknown}  # its sublayers' weights get their own rows
+        return row
     else:
         return None
     claimed |= {id(v) for v in layer.weights}
     return row
+
+
+def _counts(variables: list) -> tuple[int, int]:
+    """`(params, nonzeros)` of `variables`."""
+    return (sum(int(np.prod(v.shape)) for v in variables),
+            sum(int(np.count_nonzero(v)) for v in variables))
 
 
 def format_report(rows: list[LayerReport]) -> str:
