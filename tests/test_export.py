@@ -951,6 +951,21 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
     np.testing.assert_allclose(out["scores"].numpy(), model(x).numpy(), rtol=1e-6)
 
 
+def test_a_dangling_link_at_export_dir_is_refused_before_writing_or_replaced(tmp_path):
+    # os.path.exists follows links: a dangling one passed the overwrite check, the whole export
+    # was written, and the final rename failed naming the temporary directory.
+    model = tiny_model()
+    (tmp_path / "m").mkdir()
+    link = tmp_path / "m" / "1"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export(model, link)
+    assert sorted(os.listdir(tmp_path / "m")) == ["1"] and link.is_symlink()
+    export(model, link, overwrite=True)
+    assert not link.is_symlink() and (link / "saved_model.pb").exists()
+    assert sorted(os.listdir(tmp_path / "m")) == ["1"]
+
+
 def _corrupt_copy(mixed, tmp_path, edit):
     target = tmp_path / "1"
     shutil.copytree(mixed["portable"], target)

@@ -144,7 +144,7 @@ def export(
             "loaded; see docs/USAGE.md)"
         )
     export_dir = os.path.abspath(os.fspath(export_dir))
-    if os.path.exists(export_dir) and not overwrite:
+    if os.path.lexists(export_dir) and not overwrite:  # a dangling link too
         raise FileExistsError(f"{export_dir} exists; pass overwrite=True to replace it")
     check_replaceable(export_dir)
     if not os.path.basename(export_dir).isdigit():
