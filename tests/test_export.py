@@ -951,6 +951,21 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
     np.testing.assert_allclose(out["scores"].numpy(), model(x).numpy(), rtol=1e-6)
 
 
+def test_a_dangling_link_at_export_dir_is_refused_before_writing_or_replaced(tmp_path):
+    # os.path.exists follows links: a dangling one passed the overwrite check, the whole export
+    # was written, and the final rename failed naming the temporary directory.
+    model = tiny_model()
+    (tmp_path / "m").mkdir()
+    link = tmp_path / "m" / "1"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export(model, link)
+    assert sorted(os.listdir(tmp_path / "m")) == ["1"] and link.is_symlink()
+    export(model, link, overwrite=True)
+    assert not link.is_symlink() and (link / "saved_model.pb").exists()
+    assert sorted(os.listdir(tmp_path / "m")) == ["1"]
+
+
 def _corrupt_copy(mixed, tmp_path, edit):
     target = tmp_path / "1"
     shutil.copytree(mixed["portable"], target)
@@ -1023,6 +1038,8 @@ def test_an_export_without_the_graph_checksum_loads_with_a_warning(mixed, tmp_pa
         (lambda t: os.remove(md.path_in(t)), "not found"),
         (lambda t: _data_file(t).write_bytes(_data_file(t).read_bytes()[:1000]), "cannot load"),
         (_flip_byte_of_first_tensor, "tensor 'conv/kernel:values'"),
+        (lambda t: os.remove(_data_file(t)),
+         r"variables\.data-00000-of-00001 is missing; (?!.*is corrupted)"),
         (_forge_checksum_everywhere, "checksum mismatch for tensor 'conv/bias'"),
         (_flip_bit_of_a_graph_constant, "checksum mismatch for saved_model.pb"),
         (_edit_json(lambda m: m["sparse"][1].pop("values")),
@@ -1030,7 +1047,7 @@ def test_an_export_without_the_graph_checksum_loads_with_a_warning(mixed, tmp_pa
         (_edit_json(lambda m: m["dense"][0].pop("sha256")), r"dense\[0\] .* \['sha256'\]"),
     ],
     ids=["bad-json", "format-v2", "schema", "edited-checksum", "missing", "truncated", "bit-flip",
-         "forged-checksum", "graph-bit-flip", "no-values-record", "no-sha256"],
+         "no-data-file", "forged-checksum", "graph-bit-flip", "no-values-record", "no-sha256"],
 )
 def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):
     target = _corrupt_copy(mixed, tmp_path, edit)

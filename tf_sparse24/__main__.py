@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prune":
             _prune(args)
         elif args.command == "export":
-            if os.path.exists(args.export_dir) and not args.overwrite:  # before loading the model
+            if os.path.lexists(args.export_dir) and not args.overwrite:  # before loading the model
                 raise FileExistsError(f"{args.export_dir} exists; pass --overwrite to replace it")
             check_replaceable(os.path.abspath(args.export_dir))
             model = keras.saving.load_model(args.model, compile=False)

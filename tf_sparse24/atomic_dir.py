@@ -71,8 +71,9 @@ def check_replaceable(export_dir: str) -> None:
 
 def _move_into_place(tmp: str, export_dir: str) -> None:
     """Renames `tmp` to `export_dir`. Something already there is renamed away first, put back if
-    the rename fails, and deleted once the new one is in place."""
-    if not os.path.exists(export_dir):
+    the rename fails, and deleted once the new one is in place. (A dangling link counts as
+    something: a directory cannot be renamed onto it.)"""
+    if not os.path.lexists(export_dir):
         os.rename(tmp, export_dir)
         return
     old = tempfile.mkdtemp(prefix=f".{os.path.basename(export_dir)}.old-", dir=os.path.dirname(tmp))

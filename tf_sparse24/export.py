@@ -144,7 +144,7 @@ def export(
             "loaded; see docs/USAGE.md)"
         )
     export_dir = os.path.abspath(os.fspath(export_dir))
-    if os.path.exists(export_dir) and not overwrite:
+    if os.path.lexists(export_dir) and not overwrite:  # a dangling link too
         raise FileExistsError(f"{export_dir} exists; pass overwrite=True to replace it")
     check_replaceable(export_dir)
     if not os.path.basename(export_dir).isdigit():
@@ -251,9 +251,13 @@ def load(export_dir: str | os.PathLike) -> Any:
 
 
 def _unreadable_tensor(export_dir: str, metadata: dict[str, Any]) -> str:
-    """Names the first stored tensor the checkpoint reader cannot read back, if any."""
+    """Names a missing data file of the checkpoint, else the first stored tensor the checkpoint
+    reader cannot read back, if any."""
+    prefix = os.path.join(export_dir, "variables", "variables")
+    if missing := _missing_shards(prefix):
+        return f"{missing} is missing; "
     try:
-        reader = tf.train.load_checkpoint(os.path.join(export_dir, "variables", "variables"))
+        reader = tf.train.load_checkpoint(prefix)
         keys = sorted(reader.get_variable_to_shape_map(), key=lambda k: (k.startswith("_"), k))
     except Exception as e:  # noqa: BLE001
         return f"the variables index is unreadable ({type(e).__name__}); "
@@ -271,6 +275,20 @@ def _unreadable_tensor(export_dir: str, metadata: dict[str, Any]) -> str:
                 return f"tensor {name!r} (checkpoint key {key!r}) is corrupted; "
             return f"checkpoint key {key!r} is corrupted; "
     return ""
+
+
+def _missing_shards(prefix: str) -> str | None:
+    """The first data file (`prefix.data-00000-of-00001`, ...) of a checkpoint that is not there,
+    judged from the shard count the present ones carry in their names; None if all are there.
+    (The reader reports a missing one as an unreadable tensor.)"""
+    names = [os.path.basename(p) for p in tf.io.gfile.glob(f"{prefix}.data-?????-of-?????")]
+    counts = {int(name[-5:]) for name in names} or {1}
+    for count in sorted(counts):
+        for shard in range(count):
+            path = f"{prefix}.data-{shard:05d}-of-{count:05d}"
+            if not tf.io.gfile.exists(path):
+                return path
+    return None
 
 
 def _stored_tensors(loaded: Any, metadata: dict[str, Any]) -> list[tuple[dict, tf.Variable]]:
