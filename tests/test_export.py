@@ -7,6 +7,7 @@ import tf_sparse24, `saved_model_cli`, and a dense SavedModel of the same variab
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -1130,24 +1131,30 @@ def test_a_dict_input_models_unnamed_inputs_are_served_under_their_keys(tmp_path
         "age": [2, 4], "income": [2, 2], "zip_code": [2, 2]}
 
 
-def test_an_ordered_dict_input_models_inputs_are_served_under_their_own_keys(tmp_path):
-    """An OrderedDict of inputs flattens in insertion order, not sorted: each served name is the
-    key of the input it feeds ("zeta" 4 wide, "alpha" 8 wide), with the automatic names and with
-    an input_signature named by the keys; verify agrees."""
-    import collections  # noqa: PLC0415
-
+def ordered_dict_model(alpha_width: int, named: bool, seed: int):
+    """A pruned model on `OrderedDict(zeta=[4], alpha=[alpha_width])` (inputs named by their keys
+    or not), inputs for it, and its output in float64: `[zeta, 2 * alpha] @ 2:4 kernel + bias`."""
     keras.utils.set_random_seed(0)
-    inputs = collections.OrderedDict([("zeta", keras.Input((4,))), ("alpha", keras.Input((8,)))])
+    widths = {"zeta": 4, "alpha": alpha_width}
+    inputs = collections.OrderedDict(
+        (key, keras.Input((width,), name=key if named else None)) for key, width in widths.items())
     h = keras.layers.Concatenate()([inputs["zeta"], 2.0 * inputs["alpha"]])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Keras: keys that are not the inputs' names
         model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Dense(4, name="score")(h)))
-    rng = np.random.default_rng(4)
-    x = {"zeta": rng.standard_normal((3, 4)).astype("float32"),
-         "alpha": rng.standard_normal((3, 8)).astype("float32")}
+    rng = np.random.default_rng(seed)
+    x = {key: rng.standard_normal((3, width)).astype("float32") for key, width in widths.items()}
     dense = model.get_layer("sparse24_score").layer
     want = (np.concatenate([x["zeta"], 2.0 * x["alpha"]], axis=1).astype(np.float64)
             @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy())
+    return model, x, want
+
+
+def test_an_ordered_dict_input_models_inputs_are_served_under_their_own_keys(tmp_path):
+    """An OrderedDict of inputs flattens in insertion order, not sorted: each served name is the
+    key of the input it feeds ("zeta" 4 wide, "alpha" 8 wide), with the automatic names and with
+    an input_signature named by the keys; verify agrees."""
+    model, x, want = ordered_dict_model(alpha_width=8, named=False, seed=4)
     named = [tf.TensorSpec([None, 8], tf.float32, name="alpha"),
              tf.TensorSpec([None, 4], tf.float32, name="zeta")]
     for version, signature in ((1, None), (2, named)):
@@ -1166,19 +1173,7 @@ def test_a_dict_input_signature_feeds_an_ordered_dict_models_inputs_by_key(tmp_p
     """A dict input_signature for a model built on an OrderedDict: each spec reaches the input
     under its key. (Keras binds a plain dict's values in sorted order to an OrderedDict's inputs
     in insertion order: called with one, the model took alpha's values as zeta's.)"""
-    import collections  # noqa: PLC0415
-
-    keras.utils.set_random_seed(0)
-    inputs = collections.OrderedDict([("zeta", keras.Input((4,), name="zeta")),
-                                      ("alpha", keras.Input((4,), name="alpha"))])
-    h = keras.layers.Concatenate()([inputs["zeta"], 2.0 * inputs["alpha"]])
-    model = tf_sparse24.prune(keras.Model(inputs, keras.layers.Dense(4, name="score")(h)))
-    rng = np.random.default_rng(5)
-    x = {"zeta": rng.standard_normal((3, 4)).astype("float32"),
-         "alpha": rng.standard_normal((3, 4)).astype("float32")}
-    dense = model.get_layer("sparse24_score").layer
-    want = (np.concatenate([x["zeta"], 2.0 * x["alpha"]], axis=1).astype(np.float64)
-            @ prune_24(dense.kernel.numpy(), 0) + dense.bias.numpy())
+    model, x, want = ordered_dict_model(alpha_width=4, named=True, seed=5)
     signature = {"alpha": tf.TensorSpec([None, 4]), "zeta": tf.TensorSpec([None, 4])}
     export(model, tmp_path / "1", mode=mode, input_signature=signature)
     served = load(tmp_path / "1").signatures["serving_default"](**x)["score"]
@@ -1468,8 +1463,6 @@ def test_keras_tfsmlayer_reloads_exports_through_serve(mixed, tmp_path, mode):
 def test_ordered_dict_outputs_come_back_under_their_own_keys_through_serve(tmp_path):
     """An OrderedDict of outputs flattens as inserted: `serve` (TFSMLayer) returns each output
     under its own key (it packed them in sorted key order: 'zz' got 'aa''s tensor)."""
-    import collections  # noqa: PLC0415
-
     keras.utils.set_random_seed(0)
     inp = keras.Input((8,), name="x")
     outputs = collections.OrderedDict([("zz", keras.layers.Dense(4, name="p")(inp)),
