@@ -565,7 +565,7 @@ def test_a_schedule_leaves_the_masks_of_frozen_layers_alone():
               callbacks=[ts.Sparse24Callback(start_step=3, update_every=2),
                          recorder])
     want = reference_mask(weights[0], 2, 4, 0)  # prune()'s magnitude mask of the frozen kernel
-    for step, _, (first, middle, last) in recorder.snapshots:
+    for step, _, (first, middle, _) in recorder.snapshots:
         np.testing.assert_array_equal(middle.astype(bool), want)
         assert (first.min() == 1.0) == (step < 3), step
     for old, new in zip(weights, frozen.weights):
@@ -582,7 +582,7 @@ def test_a_frozen_base_inside_a_transfer_learning_model_keeps_its_masks():
     recorder = Recorder()
     model.fit(X, Y, batch_size=16, epochs=2, verbose=0,
               callbacks=[ts.Sparse24Callback(start_step=2), recorder])
-    for step, kernels, step_masks in recorder.snapshots:  # at every step, not only at the end
+    for _, kernels, step_masks in recorder.snapshots:  # at every step, not only at the end
         for w, m in zip(kernels, step_masks):
             np.testing.assert_array_equal(m.astype(bool), reference_mask(w, 2, 4, 0))
     for old, new in zip(before, base.weights):

@@ -1471,8 +1471,8 @@ def test_ordered_dict_outputs_come_back_under_their_own_keys_through_serve(tmp_p
     x = np.random.default_rng(3).standard_normal((2, 8)).astype("float32")
     want = model(x)
     export(model, tmp_path / "1")
-    served = load(tmp_path / "1").signatures["serving_default"](x=x)
-    for served in (served, keras.layers.TFSMLayer(tmp_path / "1")(x)):
+    by_signature = load(tmp_path / "1").signatures["serving_default"](x=x)
+    for served in (by_signature, keras.layers.TFSMLayer(tmp_path / "1")(x)):
         assert {k: tuple(v.shape) for k, v in served.items()} == {"zz": (2, 4), "aa": (2, 8)}
         for key in ("zz", "aa"):
             np.testing.assert_allclose(served[key], want[key], rtol=1e-5, atol=1e-6)
