@@ -141,6 +141,14 @@ def test_decompress_rejects_bad_meta():
         fmt.decompress(values, good.astype(np.int32), 16)
 
 
+def test_check_meta_names_first_row_with_a_high_nibble():
+    # Rows 1 and 2 both have a non-zero unused high nibble (K % 8 == 4); the first one is named,
+    # as Sparse24Decompress / Sparse24MatMul do, not the one with the largest nibble.
+    meta = np.array([[0x8D, 0x04], [0x44, 0x1E], [0x44, 0x5E]], np.uint8)
+    with pytest.raises(ValueError, match=re.escape("row n=1, last byte 0x1e has a non-zero high")):
+        fmt.check_meta(meta, 12)
+
+
 @pytest.mark.parametrize(
     "shape,axis,k",
     [

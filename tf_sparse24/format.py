@@ -171,7 +171,7 @@ def check_meta(meta: np.ndarray, k: int) -> None:
             "the two positions of a group must be strictly ascending"
         )
     if k % 8 == 4 and meta.shape[0] and (meta[:, -1] >> 4).any():
-        n = int(np.argmax(meta[:, -1] >> 4))
+        n = int(np.flatnonzero(meta[:, -1] >> 4)[0])  # the first such row, not the largest nibble
         raise ValueError(
             f"invalid meta: row n={n}, last byte {meta[n, -1]:#04x} has a non-zero high nibble, "
             f"which must be 0 when K % 8 == 4 (K={k})"
