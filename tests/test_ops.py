@@ -468,6 +468,12 @@ def test_bad_shapes_and_dtypes():
             tf.ones((2, 8)),
             ops.CompressedWeight(values=values, meta=meta, shape=[16, 3], dtype=tf.float32),
         )
+    # K = 2 * 8 = 16 fits values and meta, but the grouping axis has 2 elements: groups of the
+    # [K, N] view would straddle it (and [6, 8] is not even a K % 4 == 0 kernel).
+    for shape, axis, size in [([8, 2, 3], 1, 2), ([6, 3], 0, 6)]:
+        with pytest.raises(ValueError, match=re.escape(
+                f"multiple of 4. Received: kernel shape {tuple(shape)}, axis={axis} (size {size})")):
+            ops.CompressedWeight(values=values, meta=meta, shape=shape, dtype=tf.float32, axis=axis)
 
 
 @pytest.mark.parametrize("m", [2, 64, 200])  # GEMV kernel, one panel, several row blocks

@@ -249,6 +249,12 @@ class CompressedWeight(tf.experimental.ExtensionType):
             raise ValueError(f"CompressedWeight needs a fully known shape. Received: {self.shape}")
         if not 0 <= self.axis < self.shape.rank:
             raise ValueError(f"axis {self.axis} is out of range for kernel shape {self.shape}")
+        if self.shape[self.axis] % 4:  # else the [K, N] view's groups would straddle the axis
+            raise ValueError(
+                f"CompressedWeight: the grouping axis must have a size that is a multiple of 4. "
+                f"Received: kernel shape {self.shape}, axis={self.axis} "
+                f"(size {self.shape[self.axis]})"
+            )
         if self.values.dtype != self.dtype or self.meta.dtype != tf.uint8:
             raise ValueError(
                 f"CompressedWeight expects values of dtype {self.dtype.name} and uint8 meta. "
