@@ -110,6 +110,28 @@ def test_float64_weights_are_compared_in_float64():
         np.testing.assert_array_equal(greedy, _greedy_reference(w))
 
 
+def test_float32_and_integer_weights_are_compared_exactly():
+    # Six entries of 2^24 fix all but a 2x2 rectangle, whose two matchings keep 1 + 1 or 3 + 0: the
+    # float32 scores 6 * 2^24 + 2 and + 3 round to the same value, and the tie rule kept the 2.
+    w = np.zeros((4, 4), np.float32)
+    for r, c in [(0, 2), (1, 3), (2, 0), (2, 2), (3, 1), (3, 3)]:
+        w[r, c] = 2**24
+    w[0, 0] = w[1, 1] = 1
+    w[0, 1] = 3
+    exact = compute_mask(w, method="transposable").numpy()
+    assert (w.astype(np.float64) * exact).sum() == _exact_reference_kept(w) == 6 * 2**24 + 3
+    # 2^24 + 1 is the largest of row 0 (float32 rounds it to 2^24: a three-way tie, cols 0 and 1).
+    wi = np.zeros((4, 4), np.int32)
+    wi[0, :3] = [2**24, 2**24, 2**24 + 1]
+    for method in ("transposable", "transposable_greedy"):
+        mask = compute_mask(wi, method=method).numpy()
+        assert mask.dtype == np.int32
+        np.testing.assert_array_equal(mask[0], [1, 0, 1, 0])
+    np.testing.assert_array_equal(
+        compute_mask(wi, method="transposable_greedy").numpy(), _greedy_reference(wi)
+    )
+
+
 def test_transposable_keeps_no_more_than_plain_2to4_and_masks_both_ways():
     w = np.random.default_rng(1).normal(size=(64, 32)).astype(np.float32)
     plain = compute_mask(w).numpy()

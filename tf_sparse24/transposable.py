@@ -49,15 +49,17 @@ def _block_problem(name: str, shape, n: int) -> str | None:
 
 
 def _blocks(groups: tf.Tensor, n: int, name: str) -> tf.Tensor:
-    """`[G, 4, P]` -> `[G, P/4, 4 (k), 4 (n)]` magnitudes in float32 (float64 for float64
-    weights, whose differences float32 may not hold)."""
+    """`[G, 4, P]` -> `[G, P/4, 4 (k), 4 (n)]` magnitudes in float64 for every dtype: a float32
+    sum of 8 float32 magnitudes rounds away differences between patterns (2^24 + 3 vs 2^24 + 2),
+    and float32 cannot order integers above 2^24. Exact for floats up to 32 bits and integers up
+    to 2^53 (the 8-term scores: up to float64 rounding)."""
     if problem := _block_problem(name, tuple(groups.shape), n):
         raise ValueError(problem)
     p = tf.shape(groups)[2]  # dynamic under compute_mask's tf.function
     message = f"mask method {name!r} needs N (of the [K, N] view) to be a multiple of 4"
     checks = [tf.debugging.assert_equal(p % 4, 0, message=message)]
     with tf.control_dependencies(checks):
-        mag = tf.abs(tf.cast(groups, tf.float64 if groups.dtype == tf.float64 else tf.float32))
+        mag = tf.abs(tf.cast(groups, tf.float64))
     return tf.transpose(tf.reshape(mag, [-1, 4, p // 4, 4]), [0, 2, 1, 3])
 
 
