@@ -186,6 +186,7 @@ def test_unsigned_and_bool_weights_are_their_own_magnitude(dtype):
     assert mask.dtype == np.dtype(dtype)
     expected = [1, 0, 0, 1, 0, 1, 0, 1] if dtype != "bool" else [1, 0, 1, 0, 0, 1, 0, 1]
     np.testing.assert_array_equal(mask.ravel().astype(int), expected)
+    assert is_nm_sparse(mask) and not is_nm_sparse(w) and is_nm_sparse(w, "3:4")
 
 
 @pytest.mark.parametrize("axis", [1.0, True, "1", None])

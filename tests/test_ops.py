@@ -471,8 +471,8 @@ def test_bad_shapes_and_dtypes():
     # K = 2 * 8 = 16 fits values and meta, but the grouping axis has 2 elements: groups of the
     # [K, N] view would straddle it (and [6, 8] is not even a K % 4 == 0 kernel).
     for shape, axis, size in [([8, 2, 3], 1, 2), ([6, 3], 0, 6)]:
-        with pytest.raises(ValueError, match=re.escape(
-                f"multiple of 4. Received: kernel shape {tuple(shape)}, axis={axis} (size {size})")):
+        message = f"multiple of 4. Received: kernel shape {tuple(shape)}, axis={axis} (size {size})"
+        with pytest.raises(ValueError, match=re.escape(message)):
             ops.CompressedWeight(values=values, meta=meta, shape=shape, dtype=tf.float32, axis=axis)
 
 

@@ -234,7 +234,7 @@ def is_nm_sparse(
     n, m = parse_pattern(pattern)
     w = tf.convert_to_tensor(weight)
     groups = tf.reshape(w, _groups_shape(w.shape, m, axis, _weight_name(weight, None)))
-    nonzeros = tf.reduce_sum(tf.cast(groups != 0, tf.int32), axis=1)
+    nonzeros = tf.reduce_sum(tf.cast(groups != tf.zeros([], w.dtype), tf.int32), axis=1)  # bool too
     return bool(tf.reduce_all(nonzeros <= n))
 
 
