@@ -427,6 +427,10 @@ def test_compress_rejects_non_24_naming_row_column_group():
         ValueError, match=r"multiple of 4. Received: kernel shape \(2, 2, 5\), axis=1"
     ):
         ops.compress(np.zeros((2, 2, 5), np.float32), axis=1)
+    for axis in (True, 1.0, "1", None):  # True would compress along axis 1
+        with pytest.raises(TypeError, match=re.escape(f"integer axis. Received: axis={axis!r}")):
+            ops.compress(np.zeros((4, 4), np.float32), axis=axis)
+    assert ops.compress(np.zeros((4, 4), np.float32), axis=np.int64(-1)).axis == 1
     with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of 4"):
         ops.sparse24_compress(np.zeros((6, 3), np.float32))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import math
+import numbers
 import os
 import threading
 import warnings
@@ -287,6 +288,7 @@ def compress(w: tf.Tensor, axis: int = 0) -> CompressedWeight:
 
     Raises:
         ValueError: if `shape[axis]` is not a multiple of 4 or `axis` is out of range.
+        TypeError: if `axis` is not an integer (a bool is refused too).
         tf.errors.InvalidArgumentError: if `w` is not 2:4; the message names row k, column n and
             group g of the [K, N] view.
     """
@@ -294,9 +296,13 @@ def compress(w: tf.Tensor, axis: int = 0) -> CompressedWeight:
     shape = w.shape
     if not shape.is_fully_defined():
         raise ValueError(f"compress needs a kernel with a fully known shape. Received: {shape}")
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):  # True is not axis 1
+        raise TypeError(
+            f"compress expects an integer axis. Received: axis={axis!r}, kernel shape {shape}"
+        )
     if not -shape.rank <= axis < shape.rank:
         raise ValueError(f"axis {axis} is out of range for kernel shape {shape}")
-    axis %= shape.rank
+    axis = int(axis) % shape.rank
     if shape[axis] % 4:
         raise ValueError(
             f"the grouping axis must have a size that is a multiple of 4. Received: kernel shape "
