@@ -2226,3 +2226,17 @@ def test_permute_says_when_it_cannot_check_a_copy_whose_custom_layers_it_followe
         permuted, _ = permute(model, kicks=1, progress=False)
 
     _assert_same_function(model, permuted, _x(2, 9, 16, seed=91))
+
+
+def test_permute_checks_the_copy_of_a_sequential_model_too():
+    # Keras 3's Sequential has no `input` (never called itself): the final comparison must take
+    # its inputs from `inputs`, or a Sequential's copy goes unchecked.
+    model = keras.Sequential([keras.Input((5, 16)), keras.layers.Dense(16, name="pre"),
+                              _EagerOnly(name="block"), keras.layers.Dense(4, name="post")])
+    _randomize(model, seed=84)
+
+    with pytest.warns(UserWarning, match="permuted again without following them"):
+        permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 5, 16, seed=85))
+    assert "'block' (_EagerOnly), which cannot be permuted" in " ".join(r.reason for r in reports)

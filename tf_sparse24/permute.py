@@ -546,7 +546,10 @@ def _random_inputs(model: keras.Model, length: int, rng: np.random.Generator):
         return random_array([2 if i == 0 and d is None else length if d is None else d
                               for i, d in enumerate(spec.shape)], spec.dtype, rng)
 
-    return keras.tree.map_structure(draw, model.input)
+    # A Sequential model has no `input` (Keras 3 never calls it itself): its one input is in
+    # `inputs`.
+    spec = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    return keras.tree.map_structure(draw, spec)
 
 
 def _outputs(model: keras.Model, inputs, calls: int = 1) -> list[list[np.ndarray]]:
