@@ -2240,3 +2240,32 @@ def test_permute_checks_the_copy_of_a_sequential_model_too():
 
     _assert_same_function(model, permuted, _x(3, 5, 16, seed=85))
     assert "'block' (_EagerOnly), which cannot be permuted" in " ".join(r.reason for r in reports)
+
+
+@keras.saving.register_keras_serializable(package="test_permute")
+class _ScaledTable(keras.layers.Layer):
+    """A token table times a learned scalar: a producer found by a trial run, with a scalar
+    weight that stays as it is."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(20, 16), initializer="normal", name="table")
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, ids):
+        return keras.ops.take(self.table, ids, axis=0) * self.scale
+
+
+def test_permute_leaves_the_scalar_weights_of_a_producer_found_by_a_trial_run_as_they_are():
+    tokens = keras.Input((6,), dtype="int32")
+    x = keras.layers.Dense(16, name="fc")(_ScaledTable(name="embed")(tokens))
+    model = keras.Model(tokens, keras.layers.Dense(4, name="out")(x))
+    _randomize(model, seed=86)
+    data = np.random.default_rng(87).integers(0, 20, (4, 6))
+
+    permuted, reports = permute(model, kicks=1, progress=False)  # was an IndexError
+
+    _assert_same_function(model, permuted, data)
+    (report,) = [r for r in reports if r.producers == ("embed",)]
+    assert report.permuted and report.consumers == ("fc",)
+    copy, original = permuted.get_layer("embed"), model.get_layer("embed")
+    assert copy.scale.numpy() == original.scale.numpy()

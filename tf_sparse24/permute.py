@@ -454,7 +454,7 @@ def _apply(graph: Graph, copies: dict, space: Space, perm: np.ndarray) -> None:
     for name, offset in space.producers.items():
         layer = copy_of(name)
         for variable, axis, _ in write_axes(layer) or [  # or a producer found by a trial run
-                WeightAxis(w, w.ndim - 1) for w in layer.weights]:
+                WeightAxis(w, w.ndim - 1) for w in layer.weights if w.ndim]:  # scalars stay
             take(variable, axis, offset)
         refresh_statistics(layer)
     for name, offset in space.through.items():
