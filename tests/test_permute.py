@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from helpers.examples import example
 
-from tf_sparse24 import prune
+from tf_sparse24 import eligible_weights, prune
 from tf_sparse24.permute import permute
 from tf_sparse24.permute_search import (
     _native_top2_group_sums,
@@ -2269,3 +2269,33 @@ def test_permute_leaves_the_scalar_weights_of_a_producer_found_by_a_trial_run_as
     assert report.permuted and report.consumers == ("fc",)
     copy, original = permuted.get_layer("embed"), model.get_layer("embed")
     assert copy.scale.numpy() == original.scale.numpy()
+
+
+def test_permute_counts_and_searches_only_kernels_that_2_4_prunes():
+    # 'odd' reads 16 + 3 concatenated channels: prune() leaves it alone, so its kernel neither
+    # enters the search nor the report's kept magnitudes, though its channels are reordered.
+    inputs = keras.Input((6, 6, 3))
+    x = keras.layers.Conv2D(16, 3, padding="same", name="c0")(inputs)
+    odd = keras.layers.Conv2D(8, 3, name="odd")(keras.layers.Concatenate()([x, inputs]))
+    both = keras.Model(inputs, [odd, keras.layers.Conv2D(8, 3, name="c1")(x)])
+    alone = keras.Model(inputs, odd)
+    _randomize(both, seed=88)
+    data = _x(2, 6, 6, 3, seed=89)
+
+    permuted, reports = permute(both, kicks=1, progress=False)
+
+    _assert_same_function(both, permuted, data)
+    (report,) = [r for r in reports if r.producers == ("c0",)]
+    assert report.permuted and report.consumers == ("odd", "c1")
+    for kept, model in ((report.kept_before, both), (report.kept_after, permuted)):
+        assert kept == pytest.approx(_kept_in_layer(model.get_layer("c1")))
+    assert _kept_in_layer(permuted.get_layer("c1")) > _kept_in_layer(both.get_layer("c1"))
+    assert not eligible_weights(both.get_layer("odd"))
+
+    permuted, reports = permute(alone, kicks=1, progress=False)
+
+    _assert_same_function(alone, permuted, data)
+    (report,) = [r for r in reports if r.producers == ("c0",)]
+    assert not report.permuted and "2:4 prunes none of the kernels" in report.reason
+    for old, new in zip(alone.get_weights(), permuted.get_weights()):
+        np.testing.assert_array_equal(old, new)

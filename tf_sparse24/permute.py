@@ -62,7 +62,8 @@ class PermutationReport:
     when a residual add or product joins branches) and the layers that consume them.
 
     `producer` is the first of `producers` (None when there is none). `kept_before`/`kept_after`
-    are the |w| the consumers' kernels keep under 2:4; `efficacy` is ASP's metric in percent (None
+    are the |w| the consumers' kernels keep under 2:4 (those 2:4 prunes: not a kernel whose input
+    channels are not a multiple of 4); `efficacy` is ASP's metric in percent (None
     when skipped).
 
     `heads` > 0 marks the space inside one attention layer (producer and consumer): the output
@@ -147,7 +148,8 @@ def permute(
     to commute with a channel permutation (the rules are for Keras' own classes: a user's class,
     whatever its name or base class, is only tried); quantized or LoRA-enabled layers; channel
     counts that are not a multiple of 4 or above `max_channels`, and slices of a concatenation that
-    start at an input channel that is not a multiple of 4; an input that no kernel of its layer
+    start at an input channel that is not a multiple of 4; channels that no kernel 2:4 prunes reads
+    (a concatenation of 16 + 3 channels read by one layer); an input that no kernel of its layer
     reads (an attention mask); value heads whose value_dim is not a multiple of 4. In a report of
     its own (and named in the reason of a space that stops there): each layer with kernels whose
     channels permute() leaves alone: a grouped (other than one group per channel), transposed or
@@ -311,20 +313,27 @@ def _plan(
                 reason = f"{channels} channels, not a multiple of 4"
             if not reason and max_channels is not None and channels > max_channels:
                 reason = f"{channels} channels > max_channels={max_channels}"
+            rows = None if reason else _channel_rows(graph, space)
+            if rows is None and not reason:
+                reason = ("2:4 prunes none of the kernels that read these channels (their layers "
+                          f"{list(space.consumers)} read a number of input channels that is not "
+                          "a multiple of 4)")
             if reason:
                 readers = tuple(space.consumers) if name in space.consumers else (name,)
                 reports.append(PermutationReport(
                     next(iter(space.producers), None), readers, channels if space.producers else 0,
                     False, reason, producers=tuple(space.producers)))
             else:
-                rows = _channel_rows(graph, space)
                 plans.append(_Plan(space, rows))
     return plans, reports
 
 
-def _channel_rows(graph: Graph, space: Space) -> np.ndarray:
+def _channel_rows(graph: Graph, space: Space) -> np.ndarray | None:
     """The consumers' kernels that read `space` (their `read_axes` kernels), at their offsets, as
-    one `[rows, channels]` matrix (ASP's orientation).
+    one `[rows, channels]` matrix (ASP's orientation); None if there are none. A kernel whose
+    input channels (the whole axis: past a concatenation, more than the space) are not a multiple
+    of 4 is left out: 2:4 does not prune it (`prune` skips it), so it gains nothing, though its
+    channels are reordered with the others.
 
     Raises:
         ValueError: naming the first layer whose kernel has NaN/Inf.
@@ -333,9 +342,11 @@ def _channel_rows(graph: Graph, space: Space) -> np.ndarray:
     for name, offset in space.consumers.items():
         axes = read_axes(graph.ops[name])
         for kernel, axis, _ in (a for role in space.reads[name] for a in axes[role] if a.grouped):
+            if kernel.shape[axis] % 4:
+                continue
             kernel = _finite(name, kernel)
             rows.append(channel_matrix(kernel, axis)[:, offset:offset + space.channels])
-    return np.concatenate(rows)
+    return np.concatenate(rows) if rows else None
 
 
 def _finite(name: str, kernel) -> np.ndarray:
