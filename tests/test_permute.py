@@ -2299,3 +2299,31 @@ def test_permute_counts_and_searches_only_kernels_that_2_4_prunes():
     assert not report.permuted and "2:4 prunes none of the kernels" in report.reason
     for old, new in zip(alone.get_weights(), permuted.get_weights()):
         np.testing.assert_array_equal(old, new)
+
+
+def test_permute_reports_the_layers_inside_a_layer_it_does_not_follow():
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.up, self.down = keras.layers.Dense(32, name="up"), keras.layers.Dense(16, name="down")
+
+        def call(self, x):
+            return x + self.down(self.up(x))
+
+    inputs = keras.Input((5, 12))
+    block = Block(name="block")
+    x = block(block(keras.layers.Dense(16, name="d0")(inputs)))
+    model = keras.Model(inputs, keras.layers.TimeDistributed(keras.layers.Dense(8, name="fc"),
+                                                             name="td")(x))
+    _randomize(model, seed=90)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(2, 5, 12, seed=91))
+    reasons = {r.consumers: r.reason for r in reports if not r.permuted}
+    assert reasons[("block",)] == (
+        "'block' (Block) is not followed (it is called more than once): the input channels of "
+        "the layers ['up', 'down'] inside it keep their order")
+    assert reasons[("td",)] == (
+        "'td' (TimeDistributed) is not followed (permute() does not look inside it): the input "
+        "channels of the layers ['fc'] inside it keep their order")

@@ -156,7 +156,9 @@ def permute(
     channels_first convolution, a DepthwiseConv with depth_multiplier > 1, the input of a
     SeparableConv with depth_multiplier > 1, a recurrent layer other than GRU, LSTM and SimpleRNN,
     alone or as both layers of a Bidirectional (`RNN(cell)`, ConvLSTM, a Bidirectional of either);
-    the output of any recurrent layer.
+    the output of any recurrent layer; each nested model or layer that holds layers with kernels
+    and that permute() does not look inside (a custom layer or nested model called twice, a
+    TimeDistributed), with why.
 
     Args:
         model: a built Functional or Sequential keras.Model.
@@ -287,7 +289,8 @@ def _plan(
 ) -> tuple[list[_Plan], list[PermutationReport]]:
     """The channel spaces to permute (their kernels read and checked) and reports for the
     skipped ones; one per space that a selected consumer reads, and one per selected layer with
-    kernels whose channels permute() leaves alone (`unpermuted_cause`: a grouped convolution)."""
+    kernels whose channels permute() leaves alone (`unpermuted_cause`: a grouped convolution) or
+    holding such layers that it does not look inside (a custom layer called twice)."""
     plans, reports, seen = [], [], set()
     for name, op in graph.ops.items():
         if selected is not None and id(op) not in selected:
@@ -297,6 +300,12 @@ def _plan(
             if cause := unpermuted_cause(op):
                 reports.append(PermutationReport(None, (name,), 0, False,
                                                  f"{describe(name, op)} is not permuted: {cause}"))
+            elif inner := [sub.name for sub in walk_layers(op) if read_axes(sub)]:
+                why = (graph.unfollowed.get(name) or shared_reason(graph, name).removeprefix("is ")
+                       or "permute() does not look inside it")
+                reports.append(PermutationReport(None, (name,), 0, False, (
+                    f"{describe(name, op)} is not followed ({why}): the input channels of the "
+                    f"layers {inner} inside it keep their order")))
             continue
         if why := shared_reason(graph, name):
             reports.append(PermutationReport(None, (name,), 0, False,
