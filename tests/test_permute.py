@@ -2305,7 +2305,8 @@ def test_permute_reports_the_layers_inside_a_layer_it_does_not_follow():
     class Block(keras.layers.Layer):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.up, self.down = keras.layers.Dense(32, name="up"), keras.layers.Dense(16, name="down")
+            self.up = keras.layers.Dense(32, name="up")
+            self.down = keras.layers.Dense(16, name="down")
 
         def call(self, x):
             return x + self.down(self.up(x))
