@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from helpers.examples import example
 
-from tf_sparse24 import prune
+from tf_sparse24 import eligible_weights, prune
 from tf_sparse24.permute import permute
 from tf_sparse24.permute_search import (
     _native_top2_group_sums,
@@ -2226,3 +2226,105 @@ def test_permute_says_when_it_cannot_check_a_copy_whose_custom_layers_it_followe
         permuted, _ = permute(model, kicks=1, progress=False)
 
     _assert_same_function(model, permuted, _x(2, 9, 16, seed=91))
+
+
+def test_permute_checks_the_copy_of_a_sequential_model_too():
+    # Keras 3's Sequential has no `input` (never called itself): the final comparison must take
+    # its inputs from `inputs`, or a Sequential's copy goes unchecked.
+    model = keras.Sequential([keras.Input((5, 16)), keras.layers.Dense(16, name="pre"),
+                              _EagerOnly(name="block"), keras.layers.Dense(4, name="post")])
+    _randomize(model, seed=84)
+
+    with pytest.warns(UserWarning, match="permuted again without following them"):
+        permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(3, 5, 16, seed=85))
+    assert "'block' (_EagerOnly), which cannot be permuted" in " ".join(r.reason for r in reports)
+
+
+@keras.saving.register_keras_serializable(package="test_permute")
+class _ScaledTable(keras.layers.Layer):
+    """A token table times a learned scalar: a producer found by a trial run, with a scalar
+    weight that stays as it is."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(20, 16), initializer="normal", name="table")
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, ids):
+        return keras.ops.take(self.table, ids, axis=0) * self.scale
+
+
+def test_permute_leaves_the_scalar_weights_of_a_producer_found_by_a_trial_run_as_they_are():
+    tokens = keras.Input((6,), dtype="int32")
+    x = keras.layers.Dense(16, name="fc")(_ScaledTable(name="embed")(tokens))
+    model = keras.Model(tokens, keras.layers.Dense(4, name="out")(x))
+    _randomize(model, seed=86)
+    data = np.random.default_rng(87).integers(0, 20, (4, 6))
+
+    permuted, reports = permute(model, kicks=1, progress=False)  # was an IndexError
+
+    _assert_same_function(model, permuted, data)
+    (report,) = [r for r in reports if r.producers == ("embed",)]
+    assert report.permuted and report.consumers == ("fc",)
+    copy, original = permuted.get_layer("embed"), model.get_layer("embed")
+    assert copy.scale.numpy() == original.scale.numpy()
+
+
+def test_permute_counts_and_searches_only_kernels_that_2_4_prunes():
+    # 'odd' reads 16 + 3 concatenated channels: prune() leaves it alone, so its kernel neither
+    # enters the search nor the report's kept magnitudes, though its channels are reordered.
+    inputs = keras.Input((6, 6, 3))
+    x = keras.layers.Conv2D(16, 3, padding="same", name="c0")(inputs)
+    odd = keras.layers.Conv2D(8, 3, name="odd")(keras.layers.Concatenate()([x, inputs]))
+    both = keras.Model(inputs, [odd, keras.layers.Conv2D(8, 3, name="c1")(x)])
+    alone = keras.Model(inputs, odd)
+    _randomize(both, seed=88)
+    data = _x(2, 6, 6, 3, seed=89)
+
+    permuted, reports = permute(both, kicks=1, progress=False)
+
+    _assert_same_function(both, permuted, data)
+    (report,) = [r for r in reports if r.producers == ("c0",)]
+    assert report.permuted and report.consumers == ("odd", "c1")
+    for kept, model in ((report.kept_before, both), (report.kept_after, permuted)):
+        assert kept == pytest.approx(_kept_in_layer(model.get_layer("c1")))
+    assert _kept_in_layer(permuted.get_layer("c1")) > _kept_in_layer(both.get_layer("c1"))
+    assert not eligible_weights(both.get_layer("odd"))
+
+    permuted, reports = permute(alone, kicks=1, progress=False)
+
+    _assert_same_function(alone, permuted, data)
+    (report,) = [r for r in reports if r.producers == ("c0",)]
+    assert not report.permuted and "2:4 prunes none of the kernels" in report.reason
+    for old, new in zip(alone.get_weights(), permuted.get_weights()):
+        np.testing.assert_array_equal(old, new)
+
+
+def test_permute_reports_the_layers_inside_a_layer_it_does_not_follow():
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.up = keras.layers.Dense(32, name="up")
+            self.down = keras.layers.Dense(16, name="down")
+
+        def call(self, x):
+            return x + self.down(self.up(x))
+
+    inputs = keras.Input((5, 12))
+    block = Block(name="block")
+    x = block(block(keras.layers.Dense(16, name="d0")(inputs)))
+    model = keras.Model(inputs, keras.layers.TimeDistributed(keras.layers.Dense(8, name="fc"),
+                                                             name="td")(x))
+    _randomize(model, seed=90)
+
+    permuted, reports = permute(model, kicks=1, progress=False)
+
+    _assert_same_function(model, permuted, _x(2, 5, 12, seed=91))
+    reasons = {r.consumers: r.reason for r in reports if not r.permuted}
+    assert reasons[("block",)] == (
+        "'block' (Block) is not followed (it is called more than once): the input channels of "
+        "the layers ['up', 'down'] inside it keep their order")
+    assert reasons[("td",)] == (
+        "'td' (TimeDistributed) is not followed (permute() does not look inside it): the input "
+        "channels of the layers ['fc'] inside it keep their order")

@@ -62,7 +62,8 @@ class PermutationReport:
     when a residual add or product joins branches) and the layers that consume them.
 
     `producer` is the first of `producers` (None when there is none). `kept_before`/`kept_after`
-    are the |w| the consumers' kernels keep under 2:4; `efficacy` is ASP's metric in percent (None
+    are the |w| the consumers' kernels keep under 2:4 (those 2:4 prunes: not a kernel whose input
+    channels are not a multiple of 4); `efficacy` is ASP's metric in percent (None
     when skipped).
 
     `heads` > 0 marks the space inside one attention layer (producer and consumer): the output
@@ -147,14 +148,17 @@ def permute(
     to commute with a channel permutation (the rules are for Keras' own classes: a user's class,
     whatever its name or base class, is only tried); quantized or LoRA-enabled layers; channel
     counts that are not a multiple of 4 or above `max_channels`, and slices of a concatenation that
-    start at an input channel that is not a multiple of 4; an input that no kernel of its layer
+    start at an input channel that is not a multiple of 4; channels that no kernel 2:4 prunes reads
+    (a concatenation of 16 + 3 channels read by one layer); an input that no kernel of its layer
     reads (an attention mask); value heads whose value_dim is not a multiple of 4. In a report of
     its own (and named in the reason of a space that stops there): each layer with kernels whose
     channels permute() leaves alone: a grouped (other than one group per channel), transposed or
     channels_first convolution, a DepthwiseConv with depth_multiplier > 1, the input of a
     SeparableConv with depth_multiplier > 1, a recurrent layer other than GRU, LSTM and SimpleRNN,
     alone or as both layers of a Bidirectional (`RNN(cell)`, ConvLSTM, a Bidirectional of either);
-    the output of any recurrent layer.
+    the output of any recurrent layer; each nested model or layer that holds layers with kernels
+    and that permute() does not look inside (a custom layer or nested model called twice, a
+    TimeDistributed), with why.
 
     Args:
         model: a built Functional or Sequential keras.Model.
@@ -285,7 +289,8 @@ def _plan(
 ) -> tuple[list[_Plan], list[PermutationReport]]:
     """The channel spaces to permute (their kernels read and checked) and reports for the
     skipped ones; one per space that a selected consumer reads, and one per selected layer with
-    kernels whose channels permute() leaves alone (`unpermuted_cause`: a grouped convolution)."""
+    kernels whose channels permute() leaves alone (`unpermuted_cause`: a grouped convolution) or
+    holding such layers that it does not look inside (a custom layer called twice)."""
     plans, reports, seen = [], [], set()
     for name, op in graph.ops.items():
         if selected is not None and id(op) not in selected:
@@ -295,6 +300,12 @@ def _plan(
             if cause := unpermuted_cause(op):
                 reports.append(PermutationReport(None, (name,), 0, False,
                                                  f"{describe(name, op)} is not permuted: {cause}"))
+            elif inner := [sub.name for sub in walk_layers(op) if read_axes(sub)]:
+                why = (graph.unfollowed.get(name) or shared_reason(graph, name).removeprefix("is ")
+                       or "permute() does not look inside it")
+                reports.append(PermutationReport(None, (name,), 0, False, (
+                    f"{describe(name, op)} is not followed ({why}): the input channels of the "
+                    f"layers {inner} inside it keep their order")))
             continue
         if why := shared_reason(graph, name):
             reports.append(PermutationReport(None, (name,), 0, False,
@@ -311,20 +322,27 @@ def _plan(
                 reason = f"{channels} channels, not a multiple of 4"
             if not reason and max_channels is not None and channels > max_channels:
                 reason = f"{channels} channels > max_channels={max_channels}"
+            rows = None if reason else _channel_rows(graph, space)
+            if rows is None and not reason:
+                reason = ("2:4 prunes none of the kernels that read these channels (their layers "
+                          f"{list(space.consumers)} read a number of input channels that is not "
+                          "a multiple of 4)")
             if reason:
                 readers = tuple(space.consumers) if name in space.consumers else (name,)
                 reports.append(PermutationReport(
                     next(iter(space.producers), None), readers, channels if space.producers else 0,
                     False, reason, producers=tuple(space.producers)))
             else:
-                rows = _channel_rows(graph, space)
                 plans.append(_Plan(space, rows))
     return plans, reports
 
 
-def _channel_rows(graph: Graph, space: Space) -> np.ndarray:
+def _channel_rows(graph: Graph, space: Space) -> np.ndarray | None:
     """The consumers' kernels that read `space` (their `read_axes` kernels), at their offsets, as
-    one `[rows, channels]` matrix (ASP's orientation).
+    one `[rows, channels]` matrix (ASP's orientation); None if there are none. A kernel whose
+    input channels (the whole axis: past a concatenation, more than the space) are not a multiple
+    of 4 is left out: 2:4 does not prune it (`prune` skips it), so it gains nothing, though its
+    channels are reordered with the others.
 
     Raises:
         ValueError: naming the first layer whose kernel has NaN/Inf.
@@ -333,9 +351,11 @@ def _channel_rows(graph: Graph, space: Space) -> np.ndarray:
     for name, offset in space.consumers.items():
         axes = read_axes(graph.ops[name])
         for kernel, axis, _ in (a for role in space.reads[name] for a in axes[role] if a.grouped):
+            if kernel.shape[axis] % 4:
+                continue
             kernel = _finite(name, kernel)
             rows.append(channel_matrix(kernel, axis)[:, offset:offset + space.channels])
-    return np.concatenate(rows)
+    return np.concatenate(rows) if rows else None
 
 
 def _finite(name: str, kernel) -> np.ndarray:
@@ -454,7 +474,7 @@ def _apply(graph: Graph, copies: dict, space: Space, perm: np.ndarray) -> None:
     for name, offset in space.producers.items():
         layer = copy_of(name)
         for variable, axis, _ in write_axes(layer) or [  # or a producer found by a trial run
-                WeightAxis(w, w.ndim - 1) for w in layer.weights]:
+                WeightAxis(w, w.ndim - 1) for w in layer.weights if w.ndim]:  # scalars stay
             take(variable, axis, offset)
         refresh_statistics(layer)
     for name, offset in space.through.items():
@@ -546,7 +566,10 @@ def _random_inputs(model: keras.Model, length: int, rng: np.random.Generator):
         return random_array([2 if i == 0 and d is None else length if d is None else d
                               for i, d in enumerate(spec.shape)], spec.dtype, rng)
 
-    return keras.tree.map_structure(draw, model.input)
+    # A Sequential model has no `input` (Keras 3 never calls it itself): its one input is in
+    # `inputs`.
+    spec = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    return keras.tree.map_structure(draw, spec)
 
 
 def _outputs(model: keras.Model, inputs, calls: int = 1) -> list[list[np.ndarray]]:
