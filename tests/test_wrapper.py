@@ -392,6 +392,26 @@ def test_regularizers_see_the_effective_weight():
     np.testing.assert_allclose(grad, 0.2 * effective, rtol=1e-5, atol=1e-7)
 
 
+def test_a_layer_wrapped_again_regularizes_and_constrains_the_new_wrappers_effective_weight():
+    # The second wrapper kept the first one's masked regularizer and constraint: its loss and
+    # constraint used the first wrapper's 2:4 mask, not its own 1:4 one.
+    layer = keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(1.0),
+                               kernel_constraint=keras.constraints.NonNeg())
+    first = Sparse24(layer)
+    first(SEQ[:, 0])
+    first.update_masks()
+    second = Sparse24(layer, pattern="1:4")
+    second(SEQ[:, 0])
+    second.update_masks()
+    (pw,) = second.pruned_weights
+    w, mask = pw.variable.numpy().astype(np.float64), pw.mask.numpy()
+    assert not np.array_equal(mask, first.pruned_weights[0].mask.numpy())
+    (loss,) = second.losses
+    np.testing.assert_allclose(float(loss), np.sum((w * mask) ** 2), rtol=1e-5)
+    constrained = pw.variable.constraint(pw.variable).numpy()
+    np.testing.assert_array_equal(constrained, np.where(mask == 1, np.maximum(w, 0), w))
+
+
 def test_lora_enabled_after_wrapping_is_refused_by_name():
     wrapper = Sparse24(keras.layers.Dense(4, name="proj"))
     wrapper(SEQ[:, 0])

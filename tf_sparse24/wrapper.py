@@ -283,9 +283,15 @@ class Sparse24(keras.layers.Wrapper):
             self.pruned_weights.append(
                 PrunedWeight(path, var, mask, axis % var.ndim, self.pattern)
             )
-            if var.regularizer is not None and not isinstance(var.regularizer, MaskedRegularizer):
+            # The layer's own regularizer and constraint, on this wrapper's effective weight (a
+            # layer wrapped again gets them back from the earlier wrapper's masked ones).
+            if isinstance(var.regularizer, MaskedRegularizer):
+                var.regularizer = var.regularizer.regularizer
+            if isinstance(var.constraint, MaskedConstraint):
+                var.constraint = var.constraint.constraint
+            if var.regularizer is not None:
                 var.regularizer = MaskedRegularizer(var.regularizer, mask)
-            if var.constraint is not None and not isinstance(var.constraint, MaskedConstraint):
+            if var.constraint is not None:
                 var.constraint = MaskedConstraint(var.constraint, mask)
         self.check_masks_apply()
         position = {id(v): i for i, v in enumerate(self.layer.variables)}
