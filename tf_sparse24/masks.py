@@ -125,6 +125,11 @@ def _weight_name(weight, name: str | None) -> str:
     )
 
 
+def is_integer_axis(axis) -> bool:
+    """Whether `axis` can name an axis: a Python or numpy integer, not a bool (True is not 1)."""
+    return isinstance(axis, numbers.Integral) and not isinstance(axis, bool)
+
+
 def _groups_shape(shape: tuple, m: int, axis: int, label: str) -> tuple[int, int, int]:
     """The `[G, M, P]` view of a weight of `shape` in which M consecutive elements along `axis`
     form axis 1; raises ValueError naming the weight if there is none."""
@@ -132,7 +137,7 @@ def _groups_shape(shape: tuple, m: int, axis: int, label: str) -> tuple[int, int
     if shape is None or None in shape:
         raise ValueError(f"Weight {label} has shape {shape}: masks need a fully known shape "
                          "(in a tf.function, give the input_signature the weight's shape).")
-    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+    if not is_integer_axis(axis):
         raise TypeError(f"Expected an integer axis for weight {label} with shape {shape}. "
                         f"Received: axis={axis!r}")
     axis, rank = int(axis), len(shape)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import ctypes
 import glob
 import math
-import numbers
 import os
 import threading
 import warnings
 from types import ModuleType
 
 import tensorflow as tf
+
+from tf_sparse24.masks import is_integer_axis
 
 _LIBRARY_GLOB = "_sparse24_ops*.so"
 _load_lock = threading.Lock()
@@ -296,7 +297,7 @@ def compress(w: tf.Tensor, axis: int = 0) -> CompressedWeight:
     shape = w.shape
     if not shape.is_fully_defined():
         raise ValueError(f"compress needs a kernel with a fully known shape. Received: {shape}")
-    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):  # True is not axis 1
+    if not is_integer_axis(axis):
         raise TypeError(
             f"compress expects an integer axis. Received: axis={axis!r}, kernel shape {shape}"
         )
