@@ -158,7 +158,7 @@ def test_verify_reports_a_corrupted_tensor(exported, tmp_path, capsys):
     with open(metadata_path, "w") as f:
         f.write(text.replace(sha, "f" * 64))
     assert main(["verify", str(target)]) == 1
-    assert "differs from the metadata embedded" in capsys.readouterr().err
+    assert "checksum mismatch for assets/sparse24.json" in capsys.readouterr().err
 
 
 def test_export_refuses_an_existing_directory(exported, capsys):

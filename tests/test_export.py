@@ -166,10 +166,12 @@ def test_export_layout_and_metadata(mixed):
     assert sorted(os.listdir(d)) == ["assets", "assets.extra", "fingerprint.pb", "saved_model.pb",
                                      "variables"]
     assert not [f for f in os.listdir(os.path.dirname(d)) if f != "1"]  # no temp dirs left
-    # The graph's sha256 in sha256sum's format: coreutils checks it from the export directory.
-    check = subprocess.run(["sha256sum", "-c", md.GRAPH_CHECKSUM], cwd=d, capture_output=True,
+    # The graph's and the assets' sha256 in sha256sum's format: coreutils checks them from the
+    # export directory.
+    check = subprocess.run(["sha256sum", "-c", md.CHECKSUMS], cwd=d, capture_output=True,
                            text=True, check=False)
-    assert check.returncode == 0 and check.stdout.strip() == "saved_model.pb: OK", check
+    assert check.returncode == 0, check
+    assert check.stdout.splitlines() == ["saved_model.pb: OK", "assets/sparse24.json: OK"]
     with open(md.path_in(d)) as f:
         assert json.load(f) == metadata
     assert metadata["format"] == "sparse24/v1" and metadata["mode"] == "portable"
@@ -986,6 +988,15 @@ def _edit_json(change):
     return edit
 
 
+def _resummed(edit):
+    """`edit`, then the checksum file rewritten to match: only the checks behind it can tell."""
+    def edit_and_resum(target):
+        edit(target)
+        md.write_checksums(target)
+
+    return edit_and_resum
+
+
 def _data_file(target):
     return target / "variables" / "variables.data-00000-of-00001"
 
@@ -1004,7 +1015,7 @@ def _forge_checksum_everywhere(target):
         data = open(path, "rb").read()
         assert sha.encode() in data
         open(path, "wb").write(data.replace(sha.encode(), b"0" * 64))
-    md.write_graph_checksum(target)
+    md.write_checksums(target)
 
 
 def _flip_bit_of_a_graph_constant(target):
@@ -1028,6 +1039,59 @@ def test_an_export_without_the_graph_checksum_loads_with_a_warning(mixed, tmp_pa
     np.testing.assert_allclose(out["logits"].numpy(), mixed["y"], atol=1e-5)
 
 
+def test_an_export_with_the_older_graph_only_checksum_file_is_checked(mixed, tmp_path):
+    """Exports of 2026-12-01 to 12-03 listed the graph alone, under another name: still read."""
+    def to_legacy(target):
+        with open(target / md.CHECKSUMS) as f:
+            graph_line = f.readline()
+        os.remove(target / md.CHECKSUMS)
+        (target / md.LEGACY_CHECKSUMS).write_text(graph_line)
+
+    target = _corrupt_copy(mixed, tmp_path, to_legacy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "not checked" warning
+        load(target)
+    _flip_bit_of_a_graph_constant(target)
+    with pytest.raises(ExportError, match="checksum mismatch for saved_model.pb"):
+        load(target)
+
+
+class _VocabularyIds(keras.layers.Layer):
+    """One-hot ids from a vocabulary file through tf.lookup: the file becomes an export asset."""
+
+    def __init__(self, path, **kwargs):
+        super().__init__(**kwargs)
+        index = tf.lookup.TextFileIndex
+        self.table = tf.lookup.StaticHashTable(tf.lookup.TextFileInitializer(
+            path, tf.string, index.WHOLE_LINE, tf.int64, index.LINE_NUMBER), -1)
+
+    def call(self, words):
+        return tf.one_hot(self.table.lookup(words)[:, 0], 8)
+
+
+def test_a_vocabulary_asset_is_checksummed(tmp_path):
+    """A table's vocabulary file is served from assets/: an edited one changes the outputs
+    silently, so its sha256 is listed with the graph's and checked at load."""
+    vocabulary = tmp_path / "vocab.txt"
+    vocabulary.write_text("red\ngreen\nblue\n")
+    words = keras.Input((1,), dtype="string", name="words")
+    h = keras.layers.Dense(8, name="hidden")(_VocabularyIds(str(vocabulary))(words))
+    model = keras.Model(words, keras.layers.Dense(4, name="scores")(h))
+    keras.utils.set_random_seed(0)
+    pruned = tf_sparse24.prune(model)
+    target = tmp_path / "m" / "1"
+    export(pruned, target)
+    with open(target / md.CHECKSUMS) as f:
+        listed = [line.split()[1] for line in f]
+    assert listed == ["saved_model.pb", "assets/sparse24.json", "assets/vocab.txt"]
+    batch = tf.constant([["blue"], ["red"]])
+    served = load(target).signatures["serving_default"](words=batch)["scores"]
+    np.testing.assert_allclose(served.numpy(), np.asarray(pruned(batch)), atol=1e-6)
+    (target / "assets" / "vocab.txt").write_text("blue\ngreen\nred\n")  # same size, reordered
+    with pytest.raises(ExportError, match="checksum mismatch for assets/vocab.txt"):
+        load(target)
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -1035,6 +1099,8 @@ def test_an_export_without_the_graph_checksum_loads_with_a_warning(mixed, tmp_pa
         (_edit_json(lambda m: m.update(format="sparse24/v2")), "unsupported compressed format"),
         (_edit_json(lambda m: m.update(schema="tf_sparse24.export/9")), "unsupported metadata"),
         (_edit_json(lambda m: m["sparse"][0]["values"].update(sha256="0" * 64)),
+         "checksum mismatch for assets/sparse24.json"),
+        (_resummed(_edit_json(lambda m: m["sparse"][0]["values"].update(sha256="0" * 64))),
          "differs from the metadata embedded"),
         (lambda t: os.remove(md.path_in(t)), "not found"),
         (lambda t: _data_file(t).write_bytes(_data_file(t).read_bytes()[:1000]), "cannot load"),
@@ -1047,7 +1113,7 @@ def test_an_export_without_the_graph_checksum_loads_with_a_warning(mixed, tmp_pa
          r"sparse\[1\] \('mha/query/kernel'\) is missing the fields \['values'\]"),
         (_edit_json(lambda m: m["dense"][0].pop("sha256")), r"dense\[0\] .* \['sha256'\]"),
     ],
-    ids=["bad-json", "format-v2", "schema", "edited-checksum", "missing", "truncated", "bit-flip",
+    ids=["bad-json", "format-v2", "schema", "edited-checksum", "edited-and-resummed", "missing", "truncated", "bit-flip",
          "no-data-file", "forged-checksum", "graph-bit-flip", "no-values-record", "no-sha256"],
 )
 def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):

@@ -204,13 +204,13 @@ def load(export_dir: str | os.PathLike) -> Any:
     Raises:
         ExportError: missing, unparsable, edited or unsupported metadata, unreadable variables, a
             tensor whose sha256 differs from the metadata (the message names the tensor), or a
-            `saved_model.pb` whose sha256 differs from `assets.extra/saved_model.pb.sha256`.
+            `saved_model.pb` or asset file whose sha256 differs from `assets.extra/SHA256SUMS`.
     """
     export_dir = os.fspath(export_dir)
     metadata = md.read(export_dir)
-    if not md.check_graph_checksum(export_dir):
+    if not md.check_checksums(export_dir):
         warnings.warn(
-            f"{export_dir} has no {md.GRAPH_CHECKSUM} (exported before 2026-12-01): the "
+            f"{export_dir} has no {md.CHECKSUMS} (exported before 2026-12-01): the "
             "tensors and metadata are checked, the graph (saved_model.pb) is not",
             stacklevel=2,
         )
@@ -803,7 +803,7 @@ def _write(model, directory, mode, specs, keys, sparse, ops) -> dict[str, Any]:
         tf.saved_model.save(module, directory, signatures={SIGNATURE: serving})
     finally:
         shutil.rmtree(asset_dir, ignore_errors=True)
-    md.write_graph_checksum(directory)
+    md.write_checksums(directory)
     return metadata
 
 

@@ -38,46 +38,67 @@ def path_in(export_dir: str | os.PathLike) -> str:
     return os.path.join(os.fspath(export_dir), "assets", FILENAME)
 
 
-# sha256 of saved_model.pb, in `sha256sum` format (`cd DIR && sha256sum -c` this file). The graph
-# embeds the metadata, so neither can hold the graph's checksum; assets.extra/ is where TensorFlow
-# Serving keeps files that travel with a model but are not part of it.
-GRAPH_CHECKSUM = os.path.join("assets.extra", "saved_model.pb.sha256")
+# sha256 of saved_model.pb and of every file under assets/, in `sha256sum` format (`cd DIR &&
+# sha256sum -c` this file). The graph embeds the metadata, so neither can hold the graph's
+# checksum; assets.extra/ is where TensorFlow Serving keeps files that travel with a model but are
+# not part of it. Exports of 2026-12-01 to 12-03 wrote the graph's line only, under LEGACY_CHECKSUMS.
+CHECKSUMS = os.path.join("assets.extra", "SHA256SUMS")
+LEGACY_CHECKSUMS = os.path.join("assets.extra", "saved_model.pb.sha256")
 
 
-def write_graph_checksum(export_dir: str | os.PathLike) -> None:
-    """Writes the sha256 of the export's `saved_model.pb` to `GRAPH_CHECKSUM`."""
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _checksummed_files(export_dir: str) -> list[str]:
+    """saved_model.pb and every file under assets/ (the metadata, a lookup table's vocabulary),
+    as paths relative to the export directory with "/" separators, in sorted order."""
+    assets = []
+    for root, _, files in os.walk(os.path.join(export_dir, "assets")):
+        rel = os.path.relpath(root, export_dir).replace(os.sep, "/")
+        assets += [f"{rel}/{name}" for name in files]
+    return ["saved_model.pb", *sorted(assets)]
+
+
+def write_checksums(export_dir: str | os.PathLike) -> None:
+    """Writes the sha256 of `saved_model.pb` and of every asset file to `CHECKSUMS`."""
     export_dir = os.fspath(export_dir)
-    with open(os.path.join(export_dir, "saved_model.pb"), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    lines = [f"{_file_sha256(os.path.join(export_dir, rel))}  {rel}\n"
+             for rel in _checksummed_files(export_dir)]
     os.makedirs(os.path.join(export_dir, "assets.extra"), exist_ok=True)
-    with open(os.path.join(export_dir, GRAPH_CHECKSUM), "w", encoding="utf-8") as f:
-        f.write(f"{digest}  saved_model.pb\n")
+    with open(os.path.join(export_dir, CHECKSUMS), "w", encoding="utf-8") as f:
+        f.writelines(lines)
 
 
-def check_graph_checksum(export_dir: str | os.PathLike) -> bool:
-    """Checks `saved_model.pb` against `GRAPH_CHECKSUM`; False if the export has none (written
-    before 2026-12-01).
+def check_checksums(export_dir: str | os.PathLike) -> bool:
+    """Checks `saved_model.pb` and the asset files against `CHECKSUMS` (or an older export's
+    `LEGACY_CHECKSUMS`, the graph's line only); False if the export has neither (written before
+    2026-12-01).
 
     Raises:
-        ExportError: the graph's sha256 differs (its ops or constants were changed), or the
-            checksum file is unreadable.
+        ExportError: a listed file is missing or its sha256 differs (the graph's ops or constants,
+            a vocabulary file were changed), or the checksum file is unreadable.
     """
     export_dir = os.fspath(export_dir)
-    path = os.path.join(export_dir, GRAPH_CHECKSUM)
-    if not os.path.exists(path):
+    path = next((os.path.join(export_dir, name) for name in (CHECKSUMS, LEGACY_CHECKSUMS)
+                 if os.path.exists(os.path.join(export_dir, name))), None)
+    if path is None:
         return False
     with open(path, encoding="utf-8") as f:
-        expected = f.read().split()
-    graph = os.path.join(export_dir, "saved_model.pb")
-    if not os.path.isfile(graph):
-        raise ExportError(f"{graph} not found")
-    with open(graph, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    if expected[:2] != [digest, "saved_model.pb"]:
-        raise ExportError(
-            f"checksum mismatch for saved_model.pb: its sha256 is {digest}, {path} says "
-            f"{' '.join(expected[:2])!r}; the graph was modified or corrupted"
-        )
+        entries = [line.split(maxsplit=1) for line in f.read().splitlines() if line.strip()]
+    if not entries or any(len(e) != 2 for e in entries) or entries[0][1] != "saved_model.pb":
+        raise ExportError(f"{path} is not a sha256sum list starting with saved_model.pb")
+    for expected, rel in entries:
+        target = os.path.join(export_dir, *rel.split("/"))
+        if not os.path.isfile(target):
+            raise ExportError(f"{target} not found (it is listed in {path})")
+        digest = _file_sha256(target)
+        if digest != expected:
+            raise ExportError(
+                f"checksum mismatch for {rel}: its sha256 is {digest}, {path} says "
+                f"{expected!r}; the file was modified or corrupted"
+            )
     return True
 
 
