@@ -131,10 +131,13 @@ def _compile_all(tmp: str, include: str) -> None:
     subprocess.run([*link, *common, objects["gpu_entry"], "-o", libgpu, *libs], check=True)
     harness = [objects["harness"], *common]
     subprocess.run(["g++", *harness, "-o", os.path.join(tmp, "gpu_check"), *libs], check=True)
-    fakes = {"libcusparseLt.so.0": "fake_cusparselt", "libcublas.so.13": "fake_cublas"}
-    for name, fake in fakes.items():
+    fakes = {"libcusparseLt.so.0": ("fake_cusparselt", []), "libcublas.so.13": ("fake_cublas", []),
+             # cuSPARSELt 0.6 / 0.7: no cusparseLtMatmulAlgSelectionDestroy (added in 0.8.0)
+             "libcusparseLt-0.7.so.0": ("fake_cusparselt", ["-DFAKE_CUSPARSELT_0_7"])}
+    for name, (fake, defines) in fakes.items():
         source = os.path.join(EMULATION, f"{fake}.cc")
-        subprocess.run([*link, *flags, source, "-o", os.path.join(tmp, name)], check=True)
+        subprocess.run([*link, *flags, *defines, source, "-o", os.path.join(tmp, name)],
+                       check=True)
 
 
 def _build(out_dir: str, include: str) -> dict[str, str]:
@@ -151,7 +154,8 @@ def _build(out_dir: str, include: str) -> dict[str, str]:
     for path in inputs:
         key.update(pathlib.Path(path).read_bytes())
     out = os.path.join(out_dir, key.hexdigest()[:12])
-    names = ("libgpu.so", "gpu_check", "libcusparseLt.so.0", "libcublas.so.13")
+    names = ("libgpu.so", "gpu_check", "libcusparseLt.so.0", "libcublas.so.13",
+             "libcusparseLt-0.7.so.0")
     with open(os.path.join(out_dir, "lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(out):
@@ -692,6 +696,23 @@ def test_unusable_cusparselt_says_what_to_install(built, tmp_path, monkeypatch, 
     with Session(lib) as session:
         code, message, _ = session.matmul(x, values, meta, 32)
     assert code == FAILED_PRECONDITION and message.startswith(expected), message
+
+
+def test_cusparselt_before_0_8_is_used(built, tmp_path, monkeypatch):
+    """cuSPARSELt 0.6 and 0.7 (setup.py asks for >= 0.6; PyTorch 2.6 and 2.7 pin 0.6.3) have no
+    cusparseLtMatmulAlgSelectionDestroy, which 0.8.0 introduced: the op still loads and uses them,
+    and releases its plans without that call. A library instance of its own (a copy)."""
+    monkeypatch.setenv("TF_SPARSE24_CUSPARSELT", built["libcusparseLt-0.7.so.0"])
+    shutil.copy(built["libgpu.so"], tmp_path / "libgpu.so")
+    lib = load(str(tmp_path / "libgpu.so"))
+    rng = np.random.default_rng(18)
+    with Session(lib) as session:
+        session.check(*problem(rng, ml_dtypes.bfloat16, 16, 32, 16))
+        session.check(*problem(rng, np.float16, 20, 64, 32))  # another plan (M padded to 32)
+        assert session.stats()["compressions"] == 2
+    # The plans were destroyed with the session: a new one still works.
+    with Session(lib) as session:
+        session.check(*problem(rng, ml_dtypes.bfloat16, 16, 32, 16))
 
 
 def test_checked_compress_and_decompress_name_the_group(gpu):

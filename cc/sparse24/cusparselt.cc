@@ -39,7 +39,9 @@ Loaded load() {
   bind_symbol(lib, "cusparseLtMatDescriptorDestroy", &a.MatDescriptorDestroy, &missing);
   bind_symbol(lib, "cusparseLtMatmulDescriptorInit", &a.MatmulDescriptorInit, &missing);
   bind_symbol(lib, "cusparseLtMatmulAlgSelectionInit", &a.MatmulAlgSelectionInit, &missing);
-  bind_symbol(lib, "cusparseLtMatmulAlgSelectionDestroy", &a.MatmulAlgSelectionDestroy, &missing);
+  // Added in 0.8.0 (which must then be called); 0.6 and 0.7 have no such call.
+  std::string optional;
+  bind_symbol(lib, "cusparseLtMatmulAlgSelectionDestroy", &a.MatmulAlgSelectionDestroy, &optional);
   bind_symbol(lib, "cusparseLtMatmulAlgGetAttribute", &a.MatmulAlgGetAttribute, &missing);
   bind_symbol(lib, "cusparseLtMatmulGetWorkspace", &a.MatmulGetWorkspace, &missing);
   bind_symbol(lib, "cusparseLtMatmulPlanInit", &a.MatmulPlanInit, &missing);

@@ -59,7 +59,7 @@ struct Api {
                                  const MatDescriptor* c, const MatDescriptor* d, int compute_type);
   Status (*MatmulAlgSelectionInit)(const Handle*, MatmulAlgSelection*, const MatmulDescriptor*,
                                    int alg);
-  Status (*MatmulAlgSelectionDestroy)(const MatmulAlgSelection*);
+  Status (*MatmulAlgSelectionDestroy)(const MatmulAlgSelection*);  // nullptr before 0.8
   Status (*MatmulAlgGetAttribute)(const Handle*, const MatmulAlgSelection*, int attribute,
                                   void* data, size_t size);
   Status (*MatmulGetWorkspace)(const Handle*, const MatmulPlan*, size_t* size);

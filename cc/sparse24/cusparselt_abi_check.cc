@@ -52,7 +52,9 @@ SAME_ARITY(StructuredDescriptorInit, cusparseLtStructuredDescriptorInit);
 SAME_ARITY(MatDescriptorDestroy, cusparseLtMatDescriptorDestroy);
 SAME_ARITY(MatmulDescriptorInit, cusparseLtMatmulDescriptorInit);
 SAME_ARITY(MatmulAlgSelectionInit, cusparseLtMatmulAlgSelectionInit);
+#if defined(CUSPARSELT_VERSION) && CUSPARSELT_VERSION >= 800  // added in 0.8.0
 SAME_ARITY(MatmulAlgSelectionDestroy, cusparseLtMatmulAlgSelectionDestroy);
+#endif
 SAME_ARITY(MatmulAlgGetAttribute, cusparseLtMatmulAlgGetAttribute);
 SAME_ARITY(MatmulGetWorkspace, cusparseLtMatmulGetWorkspace);
 SAME_ARITY(MatmulPlanInit, cusparseLtMatmulPlanInit);

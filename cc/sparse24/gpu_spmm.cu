@@ -112,7 +112,7 @@ void LtMatmulPlan::release() {
   if (!ctx_) return;
   const lt::Api& api = ctx_->api();
   if (stage_ >= 6) api.MatmulPlanDestroy(&plan_);
-  if (stage_ >= 5) api.MatmulAlgSelectionDestroy(&alg_);
+  if (stage_ >= 5 && api.MatmulAlgSelectionDestroy) api.MatmulAlgSelectionDestroy(&alg_);
   // stage 4 (matmul descriptor) has no destroy call.
   if (stage_ >= 3) api.MatDescriptorDestroy(&c_);
   if (stage_ >= 2) api.MatDescriptorDestroy(&b_);

@@ -10,7 +10,9 @@
 // leading dimension, operation) is not the one the operand was compressed with, pointers not
 // 16-byte aligned, a missing workspace, dimensions that are not multiples of 16
 // (CUSPARSE_STATUS_NOT_SUPPORTED). FAKE_CUSPARSELT_REFUSE_M = m makes plans with that many rows of
-// op(A) unsupported; FAKE_CUSPARSELT_VERSION sets the version code (default 700).
+// op(A) unsupported; FAKE_CUSPARSELT_VERSION sets the version code (default 800). Built with
+// -DFAKE_CUSPARSELT_0_7 it is the API of 0.6 / 0.7: no cusparseLtMatmulAlgSelectionDestroy (0.8.0
+// introduced it, and says it must then be called) and version code 700.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -163,7 +165,11 @@ int cusparseLtDestroy(const void* handle) { return live(handle) ? kSuccess : kIn
 int cusparseLtGetVersion(const void* handle, int* version) {
   if (!live(handle)) return kInvalidValue;
   const char* v = std::getenv("FAKE_CUSPARSELT_VERSION");
+#ifdef FAKE_CUSPARSELT_0_7
   *version = v ? std::atoi(v) : 700;
+#else
+  *version = v ? std::atoi(v) : 800;
+#endif
   return kSuccess;
 }
 
@@ -217,11 +223,13 @@ int cusparseLtMatmulAlgSelectionInit(const void* handle, void* alg, const void* 
   return kSuccess;
 }
 
+#ifndef FAKE_CUSPARSELT_0_7
 int cusparseLtMatmulAlgSelectionDestroy(const void* alg) {
   if (!live(alg)) return kInvalidValue;
   *as<uint32_t>(const_cast<void*>(alg)) = kDead;
   return kSuccess;
 }
+#endif
 
 int cusparseLtMatmulAlgGetAttribute(const void* handle, const void* alg, int attribute,
                                     void* data, size_t size) {
