@@ -8,8 +8,9 @@ process with CUDA events (median of timed batches after warm-up, inputs rotated 
   cslt    torch._cslt_sparse_mm(compressed Wt, x.t(), transpose_result=True), x padded to a
           multiple of 16 rows (cuSPARSELt without the wrapper; the exact layout tf_sparse24's
           GPU op uses)
-and checks each result against float64 (never on zeros). Prints a ratio table; writes
-$OUT/gpu_peer_torch.log and .csv with --out. Unknown flags (the harness's) are ignored.
+and checks each result against float64 (never on zeros). Prints a ratio table, one row as each
+shape is measured; writes $OUT/gpu_peer_torch.log and .csv with --out, row by row too (a run cut
+short by its time limit keeps what it measured). Unknown flags (the harness's) are ignored.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ HEADER = (
 )
 
 
+CSV_KEYS = ("dtype", "M", "K", "N", "dense_ms", "semi_ms", "cslt_ms", "dense_err", "semi_err",
+            "cslt_err")
+
+
 def format_row(r: dict) -> str:
     def cell(key: str, spec: str) -> str:
         return format(r[key], spec) if key in r else "n/a"
@@ -143,11 +148,17 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("gpu_peer_torch: no CUDA device visible to torch", file=sys.stderr)
         return 3
-    lines: list[str] = []
+    log = csv = None
+    if args.out:  # written row by row: a run cut short by its time limit keeps what it measured
+        log = open(os.path.join(args.out, "gpu_peer_torch.log"), "w")  # noqa: SIM115
+        csv = open(os.path.join(args.out, "gpu_peer_torch.csv"), "w")  # noqa: SIM115
+        csv.write(",".join(CSV_KEYS) + "\n")
 
     def out(line: str = "") -> None:
         print(line, flush=True)
-        lines.append(line)
+        if log:
+            log.write(line + "\n")
+            log.flush()
 
     props = torch.cuda.get_device_properties(0)
     lt_version = getattr(getattr(torch.backends, "cusparselt", None), "version", lambda: None)()
@@ -161,44 +172,30 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator(device="cuda")
     gen.manual_seed(int.from_bytes(os.urandom(4), "little"))
     l2_bytes = getattr(props, "L2_cache_size", 64 << 20)
-    rows, failures = [], 0
-    for name in args.dtypes.split(","):
-        for m, k, n in shapes:
-            rows.append(run_shape(dtypes[name], m, k, n, args, gen, l2_bytes))
-            torch.cuda.empty_cache()
+    backends, failures = set(), 0
     out()
     out(HEADER)
-    for r in rows:
-        out(format_row(r))
-        tol = 1e-2 if r["dtype"] == "bfloat16" else 2e-3
-        for key in ("dense_err", "semi_err", "cslt_err"):
-            if key in r and not r[key] < tol:
-                failures += 1
-                out(f"  FAIL {key} = {r[key]:.2e} > {tol} at M={r['M']} K={r['K']} N={r['N']}")
-        for key in ("semi_error", "cslt_error"):
-            if key in r:
-                out(f"  {key.split('_')[0]} n/a at M={r['M']} K={r['K']} N={r['N']}: {r[key]}")
-    backends = sorted({r["semi_backend"] for r in rows if "semi_backend" in r})
-    out(f"ratios > 1: 2:4 faster than dense. semi backend: {', '.join(backends) or 'n/a'}")
-    if args.out:
-        with open(os.path.join(args.out, "gpu_peer_torch.log"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-        keys = [
-            "dtype",
-            "M",
-            "K",
-            "N",
-            "dense_ms",
-            "semi_ms",
-            "cslt_ms",
-            "dense_err",
-            "semi_err",
-            "cslt_err",
-        ]
-        with open(os.path.join(args.out, "gpu_peer_torch.csv"), "w") as f:
-            f.write(",".join(keys) + "\n")
-            for r in rows:
-                f.write(",".join(str(r.get(key, "")) for key in keys) + "\n")
+    for name in args.dtypes.split(","):
+        for m, k, n in shapes:
+            r = run_shape(dtypes[name], m, k, n, args, gen, l2_bytes)
+            torch.cuda.empty_cache()
+            out(format_row(r))
+            if csv:
+                csv.write(",".join(str(r.get(key, "")) for key in CSV_KEYS) + "\n")
+                csv.flush()
+            backends |= {r["semi_backend"]} if "semi_backend" in r else set()
+            tol = 1e-2 if r["dtype"] == "bfloat16" else 2e-3
+            for key in ("dense_err", "semi_err", "cslt_err"):
+                if key in r and not r[key] < tol:
+                    failures += 1
+                    out(f"  FAIL {key} = {r[key]:.2e} > {tol} at M={m} K={k} N={n}")
+            for key in ("semi_error", "cslt_error"):
+                if key in r:
+                    out(f"  {key.split('_')[0]} n/a at M={m} K={k} N={n}: {r[key]}")
+    out(f"ratios > 1: 2:4 faster than dense. semi backend: {', '.join(sorted(backends)) or 'n/a'}")
+    for f in (log, csv):
+        if f:
+            f.close()
     return 1 if failures else 0
 
 
