@@ -118,6 +118,28 @@ def test_prune_command_errors_leave_the_output_alone(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["dense.keras", "pruned.keras"]
 
 
+def test_prune_command_refuses_an_output_it_cannot_write_before_loading_the_model(
+        tmp_path, capsys):
+    """A dangling link at the output is an existing output (it was replaced without
+    --overwrite); a directory, or a missing parent directory, is refused even with --overwrite.
+    All before the model is loaded: the model file here does not exist."""
+    missing = str(tmp_path / "missing.keras")
+    link = tmp_path / "link.keras"
+    link.symlink_to(tmp_path / "nowhere.keras")
+    assert main(["prune", missing, str(link)]) == 1
+    assert "pass --overwrite to replace it" in capsys.readouterr().err
+    assert os.path.islink(link) and not os.path.exists(link)
+    (tmp_path / "dir.keras").mkdir()
+    assert main(["prune", missing, str(tmp_path / "dir.keras"), "--overwrite"]) == 1
+    assert "is a directory" in capsys.readouterr().err
+    out = str(tmp_path / "no" / "such" / "pruned.keras")
+    assert main(["prune", missing, out, "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "directory" in err and "does not exist" in err and "missing.keras" not in err
+    assert sorted(os.listdir(tmp_path)) == ["dir.keras", "link.keras"]
+    assert os.listdir(tmp_path / "dir.keras") == []
+
+
 def test_export_command_writes_a_loadable_export(exported):
     proc = exported["proc"]
     assert proc.returncode == 0, proc.stderr[-3000:]

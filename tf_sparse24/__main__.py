@@ -157,8 +157,14 @@ def _prune(args: argparse.Namespace) -> None:
 
     if not args.output.endswith(".keras"):
         raise ValueError(f"the output must be a .keras file. Received: {args.output!r}")
-    if os.path.exists(args.output) and not args.overwrite:  # before loading the model
+    # All before loading the model. A link is an output too, also one to nothing (lexists).
+    if os.path.isdir(args.output):
+        raise IsADirectoryError(f"{args.output} is a directory; the output is a .keras file")
+    if os.path.lexists(args.output) and not args.overwrite:
         raise FileExistsError(f"{args.output} exists; pass --overwrite to replace it")
+    directory = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"the directory {directory} of the output does not exist")
     model = keras.saving.load_model(args.model, compile=False)
     if args.permute:
         model, _ = tf_sparse24.permute(model, progress=False, print_fn=print)
