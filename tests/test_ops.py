@@ -478,6 +478,18 @@ def test_bad_shapes_and_dtypes():
         message = f"multiple of 4. Received: kernel shape {tuple(shape)}, axis={axis} (size {size})"
         with pytest.raises(ValueError, match=re.escape(message)):
             ops.CompressedWeight(values=values, meta=meta, shape=shape, dtype=tf.float32, axis=axis)
+    # values / meta that do not fit the kernel shape: the message names which one, the shape it
+    # must have and the kernel's (format.py's [N, K/2] and [N, ceil(K/8)]), not just two shapes.
+    want_values, want_meta = (a.shape for a in fmt.compress(np.zeros((12, 4), np.float32)))
+    for name, bad, want in [("values", {"values": tf.ones((4, 8))}, want_values),
+                            ("values", {"values": tf.ones((3, 6))}, want_values),
+                            ("meta", {"meta": tf.zeros((4, 1), tf.uint8)}, want_meta)]:
+        parts = {"values": tf.ones(want_values), "meta": tf.zeros(want_meta, tf.uint8), **bad}
+        got = list(parts[name].shape)
+        message = (f"CompressedWeight: {name} must be {list(want)} for kernel shape (12, 4), "
+                   f"axis=0 (K=12, N=4). Received: {name} shape {got}")
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ops.CompressedWeight(shape=[12, 4], dtype=tf.float32, **parts)
 
 
 @pytest.mark.parametrize("m", [2, 64, 200])  # GEMV kernel, one panel, several row blocks

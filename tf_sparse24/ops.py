@@ -263,8 +263,14 @@ class CompressedWeight(tf.experimental.ExtensionType):
                 f"Received: values {self.values.dtype.name}, meta {self.meta.dtype.name}"
             )
         k, n = self.k, self.n
-        self.values.shape.assert_is_compatible_with([n, k // 2])
-        self.meta.shape.assert_is_compatible_with([n, math.ceil(k / 8)])
+        for name, want in (("values", [n, k // 2]), ("meta", [n, math.ceil(k / 8)])):
+            got = getattr(self, name).shape
+            if not got.is_compatible_with(want):
+                raise ValueError(
+                    f"CompressedWeight: {name} must be {want} for kernel shape "
+                    f"{tuple(self.shape.as_list())}, axis={self.axis} (K={k}, N={n}). "
+                    f"Received: {name} shape {got.as_list()}"
+                )
 
     @property
     def k(self) -> int:
