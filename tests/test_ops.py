@@ -467,6 +467,17 @@ def test_bad_shapes_and_dtypes():
         ops.CompressedWeight(
             values=tf.cast(values, tf.float16), meta=meta, shape=[16, 3], dtype=tf.float32
         )
+    with pytest.raises(TypeError, match=r"k must be an integer. Received: k=16\.0"):
+        ops.sparse24_decompress(values, meta, 16.0)  # was int(16.7) -> 16, silently
+    assert ops.sparse24_decompress(values, meta, np.int64(16)).shape == (16, 3)
+    cw32 = ops.CompressedWeight(values=values, meta=meta, shape=[16, 3], dtype=tf.float32)
+    with pytest.raises(TypeError, match=re.escape(
+            "sparse_matmul: x is bfloat16 but the compressed kernel is float32; cast one")):
+        ops.sparse_matmul(tf.ones((2, 16), tf.bfloat16), cw32)
+    with pytest.raises(TypeError, match="x is float64"):
+        ops.sparse_matmul(tf.Variable(tf.ones((2, 16), tf.float64)), cw32)
+    # numpy and Python values are converted to the kernel's dtype, as TensorFlow's ops do
+    assert ops.sparse_matmul(np.ones((2, 16)), cw32).dtype == tf.float32
     with pytest.raises(ValueError, match="must end with the kernel's contracted dims"):
         ops.sparse_matmul(
             tf.ones((2, 8)),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import math
+import operator
 import os
 import threading
 import warnings
@@ -159,7 +160,11 @@ def sparse24_compress(dense: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 
 def sparse24_decompress(values: tf.Tensor, meta: tf.Tensor, k: int) -> tf.Tensor:
     """`Sparse24Decompress`: (values [N, K/2], meta [N, ceil(K/8)]) -> dense [K, N]."""
-    return load_library().sparse24_decompress(values, meta, k=int(k))
+    try:
+        k = operator.index(k)  # an int (numpy's too); int(8.7) would quietly be 8
+    except TypeError:
+        raise TypeError(f"sparse24_decompress: k must be an integer. Received: k={k!r}") from None
+    return load_library().sparse24_decompress(values, meta, k=k)
 
 
 def sparse24_matmul(x: tf.Tensor, values: tf.Tensor, meta: tf.Tensor) -> tf.Tensor:
@@ -334,7 +339,18 @@ def sparse_matmul(x: tf.Tensor, cw: CompressedWeight) -> tf.Tensor:
 
     Returns:
         [..., *shape[axis+1:]] in `cw.dtype`.
+
+    Raises:
+        TypeError: x is a tensor of another dtype than `cw.dtype` (no implicit promotion, as in
+            `tf.linalg.matmul`; numpy arrays and Python numbers are converted to `cw.dtype`).
+        ValueError: x does not end with the kernel's contracted dims.
     """
+    if tf.is_tensor(x) and x.dtype != cw.dtype:
+        raise TypeError(
+            f"sparse_matmul: x is {x.dtype.name} but the compressed kernel is {cw.dtype.name}; "
+            f"cast one to the other's dtype (tf.cast(x, {cw.dtype.name!r})). Received: x shape "
+            f"{x.shape}, kernel shape {cw.shape}"
+        )
     x = tf.convert_to_tensor(x, dtype=cw.dtype)
     contracted = cw.shape[: cw.axis + 1]
     if x.shape.rank is not None and not x.shape[
