@@ -123,8 +123,9 @@ class Sparse24MatMulOp : public sparse24_kernels::MatMulKernel {
     }
     OP_REQUIRES(ctx, !out_of_memory,
                 absl::ResourceExhaustedError(absl::StrCat(
-                    "Sparse24MatMul: out of memory for the float32 copy or packed panels of x ",
-                    x.shape().DebugString())));
+                    "Sparse24MatMul: out of memory for the working copies of x ",
+                    x.shape().DebugString(),
+                    " (its float32 copy, packed panels or a kernel's reordered rows)")));
     OP_REQUIRES(ctx, error.empty(), InvalidArgument("Sparse24MatMul: ", error));
   }
 };
