@@ -110,6 +110,7 @@ def search_permutation(
             `block_channels` < 8.
 
     Example:
+        >>> from tf_sparse24.permute_search import kept_magnitude  # not a top-level name
         >>> w = np.random.default_rng(0).normal(size=(64, 32))
         >>> perm = search_permutation(w, axis=0, kicks=5)
         >>> kept_magnitude(w.T, perm) >= kept_magnitude(w.T)
