@@ -655,7 +655,7 @@ def test_unknown_selector_names_list_the_models_layers_and_the_close_ones():
         ts.prune(model, skip=["encoder_b", "nothing"])
     message = str(err.value)
     assert "skip: no layer named ['encoder_b', 'nothing']" in message
-    assert "'encoder_b': did you mean ['encoder_a']?" in message
+    assert "'encoder_b': did you mean ['encoder_a']? Its layers" in message  # not '?.'
     assert "Its layers: ['encoder_a', 'head']." in message and "'nothing': did" not in message
     many = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(4, name=f"d{i}")
                                                      for i in range(45)])

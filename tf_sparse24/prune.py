@@ -115,7 +115,7 @@ def _close_names(unknown: list[str], layers: list, shown: int = 40) -> str:
     close = {n: difflib.get_close_matches(n.rsplit("/", 1)[-1], names, 3) for n in unknown}
     hint = "; ".join(f"{n!r}: did you mean {c}?" for n, c in close.items() if c)
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return (f" {hint}." if hint else "") + f" Its layers: {names[:shown]}{more}."
+    return (f" {hint}" if hint else "") + f" Its layers: {names[:shown]}{more}."
 
 
 def _check_selectors(model, selectors, arg: str) -> list:
