@@ -823,3 +823,24 @@ def test_wrapper_follows_the_layers_positional_and_input_cast_policies():
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
     _, seen = wrapped(tf.constant(x, tf.float64))
     assert seen.numpy() == b"float64"  # not cast to the wrapper's float32 first
+
+
+def test_weights_named_out_of_variable_order_keep_their_masks_through_a_keras_file(tmp_path):
+    # Positions saved in the config follow `weights`, not the layer's variable order: sorted, they
+    # paired each path with the other's axis and mask, and a reloaded LSTM (kernel and
+    # recurrent_kernel both [8, 32]) silently ran with the two masks swapped.
+    inp = keras.Input((6, 8))
+    wrapper = Sparse24(keras.layers.LSTM(8, name="lstm"), weights={
+        "lstm_cell/recurrent_kernel": 0, "lstm_cell/kernel": 0})
+    model = keras.Model(inp, wrapper(inp))
+    wrapper.update_masks()
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path).layers[1]
+    assert [pw.name for pw in loaded.pruned_weights] == [
+        "lstm_cell/recurrent_kernel", "lstm_cell/kernel"]
+    for pw, original in zip(loaded.pruned_weights, wrapper.pruned_weights, strict=True):
+        w = original.variable.numpy()
+        np.testing.assert_array_equal(pw.mask.numpy(), reference_mask(w, 2, 4, 0))
+        np.testing.assert_array_equal(pw.variable.numpy(), w)
+    np.testing.assert_allclose(loaded(SEQ), masked_reference(wrapper, SEQ), rtol=1e-5, atol=1e-6)
