@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_masks import reference_mask
 
 from tf_sparse24.masks import MASK_METHODS, compute_mask
 from tf_sparse24 import SRSTE, Sparse24Callback
@@ -210,3 +211,28 @@ def test_masks_recomputed_later_keep_the_method_prune_used(tmp_path):
     with pytest.raises(ValueError, match=r"method='magnitude', but the Sparse24 layer .* "
                                          r"method='transposable'"):
         prune(_transposable_mlp(), wrapper=functools.partial(SRSTE, method="transposable"))
+
+
+def test_update_masks_with_a_method_makes_it_the_wrappers_method():
+    """`update_masks(method)` says the method becomes the wrapper's: a later recomputation without
+    one (Sparse24Callback(update_every=...)), and the config, use it, not the old magnitude."""
+    from tf_sparse24 import Sparse24
+
+    wrapper = Sparse24(keras.layers.Dense(16))
+    wrapper(np.ones((2, 16), "float32"))
+    wrapper.update_masks("transposable")
+    assert wrapper.method == "transposable"
+    (pw,) = wrapper.pruned_weights
+    pw.variable.assign(np.random.default_rng(6).normal(size=(16, 16)))
+    assert not _is_transposable(reference_mask(pw.variable.numpy(), 2, 4, 0))  # magnitude's isn't
+    wrapper.update_masks()
+    _assert_transposable(pw.mask.numpy())
+    assert Sparse24.from_config(wrapper.get_config()).method == "transposable"
+
+
+def _is_transposable(mask2d):
+    try:
+        _assert_transposable(mask2d * 1.0)
+    except AssertionError:
+        return False
+    return True
