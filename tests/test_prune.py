@@ -389,6 +389,20 @@ def test_eligible_weights():
     einsum.build((None, 6, 8))
     ((path, var, axis),) = ts.eligible_weights(einsum)  # contracted on its last axis
     assert (path, axis) == ("kernel", 1) and var is einsum.kernel
+    # Two contracted axes (an attention output projection, kernel [heads, dim, out]): the last one,
+    # as MultiHeadAttention's own table has it; heads (2 here) would skip the layer.
+    heads = keras.layers.EinsumDense("abcd,cde->abe", output_shape=(None, 8))
+    heads.build((None, 6, 2, 8))
+    assert [(p, a) for p, _, a in ts.eligible_weights(heads)] == [("kernel", 1)]
+    # A kernel axis kept in the output (per-position weights, kernel [c, b]) is not summed over.
+    positions = keras.layers.EinsumDense("abc,cb->ab", output_shape=(8,))
+    positions.build((None, 8, 8))
+    assert [(p, a) for p, _, a in ts.eligible_weights(positions)] == [("kernel", 0)]
+    x = RNG.normal(size=(2, 8, 8)).astype("float32")
+    kernel = positions.kernel.numpy().astype(np.float64)
+    expected = np.einsum("abc,cb->ab", x, kernel * reference_mask(kernel, 2, 4, 0))
+    pruned = ts.prune(keras.Sequential([keras.Input((8, 8)), positions]))
+    np.testing.assert_allclose(pruned(x), expected, rtol=1e-5, atol=1e-5)
 
 
 class _UnitsBlock(keras.layers.Layer):
