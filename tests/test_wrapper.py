@@ -16,6 +16,7 @@ SEQ = RNG.normal(size=(2, 6, 8)).astype("float32")
 IMG = RNG.normal(size=(2, 5, 5, 8)).astype("float32")
 VOL = RNG.normal(size=(2, 4, 4, 4, 8)).astype("float32")
 FRAMES = RNG.normal(size=(2, 3, 5, 5, 8)).astype("float32")
+VOL_FRAMES = np.random.default_rng(1).normal(size=(2, 2, 3, 3, 3, 8)).astype("float32")
 
 # (layer factory, inputs, expected {relative path: axis})
 CASES = {
@@ -79,6 +80,22 @@ CASES = {
         lambda: keras.layers.ConvLSTM2D(4, 3),
         (FRAMES,),
         {"conv_lstm_cell/kernel": 2, "conv_lstm_cell/recurrent_kernel": 2},
+    ),
+    # Each registry entry's input axis, also for the kinds above in other ranks.
+    "separable1d": (
+        lambda: keras.layers.SeparableConv1D(4, 3),
+        (SEQ,),
+        {"pointwise_kernel": 1},
+    ),
+    "conv_lstm1d": (
+        lambda: keras.layers.ConvLSTM1D(4, 3),
+        (FRAMES[:, :, 0],),
+        {"conv_lstm_cell/kernel": 1, "conv_lstm_cell/recurrent_kernel": 1},
+    ),
+    "conv_lstm3d": (
+        lambda: keras.layers.ConvLSTM3D(4, 2),
+        (VOL_FRAMES,),
+        {"conv_lstm_cell/kernel": 3, "conv_lstm_cell/recurrent_kernel": 3},
     ),
 }
 
