@@ -183,7 +183,12 @@ def test_user_layer_protocol_and_weights_mapping():
     layer(x)
     protocol = Sparse24(layer)
     protocol(x)
-    assert [pw.name for pw in protocol.pruned_weights] == ["w"]
+    # A bare variable is grouped along ndim - 2, the input axis of x @ w.
+    assert [(pw.name, pw.axis) for pw in protocol.pruned_weights] == [("w", 0)]
+    protocol.update_masks()
+    w, skip = (v.numpy().astype(np.float64) for v in (layer.w, layer.skip_me))
+    expected = x @ (w * reference_mask(w, 2, 4, 0)) + x @ skip
+    np.testing.assert_allclose(protocol(x), expected, rtol=1e-5, atol=1e-5)
     mapped = Sparse24(layer, weights={"w": 0, "skip_me": 0}, name="mapped")
     mapped(x)
     assert [pw.name for pw in mapped.pruned_weights] == ["w", "skip_me"]
