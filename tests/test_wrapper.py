@@ -196,6 +196,23 @@ def test_user_layer_protocol_and_weights_mapping():
     np.testing.assert_allclose(mapped(x), masked_reference(mapped, x), atol=1e-6)
 
 
+class _ProjectionWithBias(Projection):
+    def get_prunable_weights(self):
+        return [self.w, self.bias]
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.bias = self.add_weight(shape=(8,), name="bias")
+
+
+def test_a_rank_1_weight_the_protocol_names_is_skipped_with_the_reason():
+    layer = _ProjectionWithBias()
+    layer.build((None, 8))
+    eligible, reasons = tf_sparse24.registry.scan_layer(layer)
+    assert [(path, axis) for path, _, axis in eligible] == [("w", 0)]
+    assert reasons == ["bias has rank 1: nothing to group"]
+
+
 def test_bad_specs_name_the_layer():
     dense = keras.layers.Dense(4, name="odd")
     dense(np.ones((1, 6), "float32"))
