@@ -376,6 +376,12 @@ def test_report_rows_and_table():
     assert "sparse24_mha" in table and "total pruned" in table and "6 layers" in table
     (dw_row,) = ts.report(depthwise, print_fn=None)
     assert dw_row.status == "skipped" and "depthwise" in dw_row.reason
+    # The total line, on a model small enough that a count off by one shows in the density.
+    tiny = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="d")])
+    lines = []
+    ts.report(ts.prune(tiny), print_fn=lines.append)
+    assert lines[0].splitlines()[-1].split() == ["total", "pruned", "1", "layers", "16", "0.500",
+                                                 "yes"]
 
 
 def test_eligible_weights():
