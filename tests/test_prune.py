@@ -384,6 +384,25 @@ def test_report_rows_and_table():
                                                  "yes"]
 
 
+@pytest.mark.parametrize("pattern", ["4:8", "3:4"])
+def test_patterns_keeping_more_than_2_of_4_prune_and_strip_without_warnings(pattern):
+    """N:M weights are judged by their own pattern: 4:8 or 3:4 weights are not 2:4, and were
+    taken for masks never computed ("no layer was pruned", strip's "not N:M")."""
+    n, m = map(int, pattern.split(":"))
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, name="d")])
+    x = RNG.normal(size=(3, 16)).astype("float32")
+    kernel, bias = (w.astype(np.float64) for w in model.get_weights())
+    expected = x @ (kernel * reference_mask(kernel, n, m, 0)) + bias
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pruned = ts.prune(model, pattern)
+        stripped = ts.strip(pruned)
+    (row,) = ts.report(pruned, print_fn=None)
+    assert row.valid and row.density == n / m
+    for copy in (pruned, stripped):
+        np.testing.assert_allclose(copy(x), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_eligible_weights():
     conv = keras.layers.Conv2D(4, 3)
     conv.build((None, 5, 5, 8))
