@@ -236,3 +236,20 @@ def _is_transposable(mask2d):
     except AssertionError:
         return False
     return True
+
+
+def test_a_callback_method_recomputes_magnitude_masks_with_it():
+    """`Sparse24Callback(method=...)` computes every layer's masks by that method, not by the
+    method prune() used."""
+    rng = np.random.default_rng(7)
+    x, y = rng.normal(size=(16, 16)).astype("float32"), rng.normal(size=(16, 8)).astype("float32")
+    model = prune(_transposable_mlp())
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    masks = [pw.mask.numpy() for layer in pruned_layers(model) for pw in layer.pruned_weights]
+    assert not all(map(_is_transposable, masks))  # prune()'s magnitude masks
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0,
+              callbacks=[Sparse24Callback(start_step=1, method="transposable")])
+    for layer in pruned_layers(model):
+        assert layer.method == "transposable"
+        for pw in layer.pruned_weights:
+            _assert_transposable(pw.mask.numpy())
