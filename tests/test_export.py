@@ -1087,6 +1087,11 @@ def test_a_vocabulary_asset_is_checksummed(tmp_path):
     batch = tf.constant([["blue"], ["red"]])
     served = load(target).signatures["serving_default"](words=batch)["scores"]
     np.testing.assert_allclose(served.numpy(), np.asarray(pruned(batch)), atol=1e-6)
+    with open(target / md.CHECKSUMS, "a") as f:  # only files of the export are read
+        f.write(f"{'0' * 64}  assets/../../vocab.txt\n")
+    with pytest.raises(ExportError, match=r"lists 'assets/\.\./\.\./vocab.txt', a file outside"):
+        load(target)
+    md.write_checksums(target)
     (target / "assets" / "vocab.txt").write_text("blue\ngreen\nred\n")  # same size, reordered
     with pytest.raises(ExportError, match="checksum mismatch for assets/vocab.txt"):
         load(target)

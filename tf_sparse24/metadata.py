@@ -90,6 +90,8 @@ def check_checksums(export_dir: str | os.PathLike) -> bool:
     if not entries or any(len(e) != 2 for e in entries) or entries[0][1] != "saved_model.pb":
         raise ExportError(f"{path} is not a sha256sum list starting with saved_model.pb")
     for expected, rel in entries:
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise ExportError(f"{path} lists {rel!r}, a file outside the export")
         target = os.path.join(export_dir, *rel.split("/"))
         if not os.path.isfile(target):
             raise ExportError(f"{target} not found (it is listed in {path})")
