@@ -335,6 +335,49 @@ def test_gradient_takes_k_from_x_when_values_shape_is_unknown():
     np.testing.assert_allclose(dvalues.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_gradient_takes_k_from_values_when_x_has_no_static_k():
+    """x's last dimension unknown in a tf.function: K = 2 * values' static [N, K/2] width."""
+    rng = np.random.default_rng(11)
+    k, n = 16, 5
+    w = random_24(rng, k, n, np.float32)
+    values, meta = (tf.constant(a) for a in fmt.compress(w))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    dy = rng.standard_normal((3, n)).astype(np.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None]), tf.TensorSpec([n, k // 2]),
+                                  tf.TensorSpec([n, k // 8], tf.uint8)])  # fmt: skip
+    def grads(x, values, meta):
+        with tf.GradientTape() as tape:
+            tape.watch([x, values])
+            loss = tf.reduce_sum(ops.sparse24_matmul(x, values, meta) * dy)
+        return tape.gradient(loss, [x, values])
+
+    dx, dvalues = grads(tf.constant(x), values, meta)
+    w64, x64, dy64 = (a.astype(np.float64) for a in (w, x, dy))
+    np.testing.assert_allclose(dx.numpy(), dy64 @ w64.T, rtol=1e-5, atol=1e-5)
+    kept = fmt.unpack_meta(meta.numpy(), k) + 4 * np.arange(k // 4)[:, None]
+    want = np.take_along_axis((x64.T @ dy64).T, kept.reshape(n, k // 2), axis=1)
+    np.testing.assert_allclose(dvalues.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_compress_takes_a_negative_axis_and_compressed_weight_refuses_an_axis_out_of_range():
+    rng = np.random.default_rng(12)
+    w = fmt.from_2d(random_24(rng, 24, 4, np.float32), (3, 8, 4))  # Conv1D [taps, in, out]
+    for axis in (1, -2):
+        cw = ops.compress(w, axis=axis)
+        assert (cw.axis, cw.k, cw.n) == (1, 24, 4)
+        ref_values, ref_meta = fmt.compress(fmt.to_2d(w, 1))
+        np.testing.assert_array_equal(cw.values.numpy(), ref_values)
+        np.testing.assert_array_equal(cw.meta.numpy(), ref_meta)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.compress(w, axis=3)
+    values, meta = (tf.constant(a) for a in fmt.compress(np.zeros((16, 3), np.float32)))
+    for axis in (2, -1):
+        with pytest.raises(ValueError, match=rf"axis {axis} is out of range for kernel shape"):
+            ops.CompressedWeight(values=values, meta=meta, shape=[16, 3], dtype=tf.float32,
+                                 axis=axis)
+
+
 def test_compress_gradient_scatters_back():
     rng = np.random.default_rng(6)
     w = tf.constant(random_24(rng, 8, 3, np.float32))
