@@ -25,11 +25,14 @@ ISAS = list(ops.CPU_ISAS[1:])
 
 
 def random_24(rng, k, n, dtype, specials=False):
-    """Random 2:4 [K, N] matrix: groups with 0, 1 and 2 non-zeros, optionally NaN/inf/-0.0."""
+    """Random 2:4 [K, N] matrix: groups with 0, 1 and 2 non-zeros, optionally NaN/inf/-0.0.
+
+    The count is drawn per group: drawn once per matrix (as it was), a third of all matrices
+    were all zeros, and the tests that used them compared 0 with 0.
+    """
     w = rng.standard_normal((k, n)).astype(np.float32)
-    keep = rng.random((n, k // 4, 4)).argsort(axis=-1)[..., : rng.integers(0, 3)]
-    mask = np.zeros((n, k // 4, 4), bool)
-    np.put_along_axis(mask, keep, True, axis=-1)
+    rank = rng.random((n, k // 4, 4)).argsort(axis=-1)  # a random permutation of 0..3 per group
+    mask = rank < rng.integers(0, 3, size=(n, k // 4, 1))  # that many random positions kept
     mask &= rng.random(mask.shape) < 0.9  # some groups with fewer non-zeros
     w *= mask.reshape(n, k).T
     if specials and w.size:
@@ -427,11 +430,14 @@ def test_tf_function_shapes_and_saved_model(tmp_path):
     ]
     x = rng.standard_normal((2, 3, 16)).astype(np.float32)
     expected = module(x).numpy()
-    np.testing.assert_allclose(expected, x @ w, rtol=1e-5, atol=1e-5)
+    assert np.count_nonzero(w) and np.count_nonzero(expected)
+    np.testing.assert_allclose(expected, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
     tf.saved_model.save(module, str(tmp_path / "m"))
     loaded = tf.saved_model.load(str(tmp_path / "m"))
     np.testing.assert_array_equal(loaded(x).numpy(), expected)
-    np.testing.assert_array_equal(loaded.apply(cw, x[0]).numpy(), expected[0])
+    # 3 rows instead of 6 may take another kernel (another summation order): not bit for bit.
+    np.testing.assert_allclose(loaded.apply(cw, x[0]).numpy(), x[0].astype(np.float64) @ w,
+                               rtol=1e-5, atol=1e-5)
 
     @tf.function
     def f(x, values, meta):
