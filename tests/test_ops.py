@@ -381,6 +381,24 @@ def test_compress_takes_a_negative_axis_and_compressed_weight_refuses_an_axis_ou
                                  axis=axis)
 
 
+def test_sparse_matmul_with_a_1d_kernel_contracts_it_away_and_meta_must_be_uint8():
+    """Grouped along its last axis, a kernel has N = 1 and no output dims: tensordot gives [...]."""
+    rng = np.random.default_rng(13)
+    w = random_24(rng, 12, 1, np.float32)[:, 0]
+    assert np.count_nonzero(w)
+    x = rng.standard_normal((3, 12)).astype(np.float32)
+    cw = ops.compress(w)
+    assert (cw.k, cw.n) == (12, 1)
+    y = ops.sparse_matmul(x, cw)
+    assert y.shape == (3,)
+    np.testing.assert_allclose(y.numpy(), np.tensordot(x.astype(np.float64), w, 1), rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="values of dtype float32 and uint8 meta. Received: "
+                                         "values float32, meta int32"):
+        ops.CompressedWeight(values=cw.values, meta=tf.cast(cw.meta, tf.int32), shape=[12],
+                             dtype=tf.float32)
+
+
 def test_compress_gradient_scatters_back():
     rng = np.random.default_rng(6)
     w = tf.constant(random_24(rng, 8, 3, np.float32))
