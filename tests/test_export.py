@@ -1134,12 +1134,13 @@ def test_a_vocabulary_asset_is_checksummed(tmp_path):
          r"sparse\[1\] \('mha/query/kernel'\) is missing the fields \['values'\]"),
         (_edit_json(lambda m: m["dense"][0].pop("sha256")), r"dense\[0\] .* \['sha256'\]"),
         (_edit_json(lambda m: m.update(mode="turbo")), r"mode must be one of .*'turbo'"),
+        (lambda t: open(md.path_in(t), "w").write("[1, 2]"), "must hold a JSON object. Received: list"),
         (_checksums_without_the_graph, "not a sha256sum list starting with saved_model.pb"),
         (_checksum_of_a_deleted_file, r"assets/notes.txt not found \(it is listed in"),
     ],
     ids=["bad-json", "format-v2", "schema", "edited-checksum", "edited-and-resummed", "missing", "truncated", "bit-flip",
          "no-data-file", "forged-checksum", "graph-bit-flip", "no-values-record", "no-sha256",
-         "unknown-mode", "graph-not-listed", "listed-file-deleted"],
+         "unknown-mode", "json-list", "graph-not-listed", "listed-file-deleted"],
 )
 def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):
     target = _corrupt_copy(mixed, tmp_path, edit)
