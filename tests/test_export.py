@@ -8,6 +8,7 @@ import tf_sparse24, `saved_model_cli`, and a dense SavedModel of the same variab
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 import json
 import os
@@ -186,8 +187,13 @@ def test_export_layout_and_metadata(mixed):
         # The stored tensors are exactly the reference compression of the forward's kernel.
         w = kernels[entry["name"]]
         values, meta = fmt.compress(fmt.to_2d(w, entry["axis"]))
-        assert entry["values"]["sha256"] == md.sha256(values), entry["name"]
-        assert entry["meta"]["sha256"] == md.sha256(meta), entry["name"]
+        for part, array in (("values", values), ("meta", meta)):
+            # hashlib over the C-order bytes, not md.sha256 (which made the records)
+            assert entry[part] == {
+                "name": f"{entry['name']}:{part}", "shape": list(array.shape),
+                "dtype": array.dtype.name, "bytes": array.size * array.itemsize,
+                "sha256": hashlib.sha256(array.tobytes(order="C")).hexdigest(),
+            }, entry["name"]
         assert entry["shape"] == list(w.shape) and entry["kernel"] == "dense_at_load"
         assert entry["pattern"] == "2:4"
     assert {e["name"]: e["axis"] for e in metadata["sparse"]}["mha/attention_output/kernel"] == 1
@@ -1029,6 +1035,21 @@ def _flip_bit_of_a_graph_constant(target):
     saved_model_pb2.SavedModel().ParseFromString(bytes(data))
 
 
+def _checksums_without_the_graph(target):
+    """The checksum list with the graph's line dropped: the graph would go unchecked."""
+    lines = (target / md.CHECKSUMS).read_text().splitlines(keepends=True)
+    assert lines[0].endswith("  saved_model.pb\n")
+    (target / md.CHECKSUMS).write_text("".join(lines[1:]))
+
+
+def _checksum_of_a_deleted_file(target):
+    """An asset listed in the checksum list, then deleted."""
+    notes = target / "assets" / "notes.txt"
+    notes.write_text("release notes")
+    md.write_checksums(target)
+    notes.unlink()
+
+
 def test_an_export_without_the_graph_checksum_loads_with_a_warning(mixed, tmp_path):
     """Exports written before the graph's checksum existed still load; the warning says what
     was not checked."""
@@ -1117,9 +1138,14 @@ def test_a_vocabulary_asset_is_checksummed(tmp_path):
         (_edit_json(lambda m: m["sparse"][1].pop("values")),
          r"sparse\[1\] \('mha/query/kernel'\) is missing the fields \['values'\]"),
         (_edit_json(lambda m: m["dense"][0].pop("sha256")), r"dense\[0\] .* \['sha256'\]"),
+        (_edit_json(lambda m: m.update(mode="turbo")), r"mode must be one of .*'turbo'"),
+        (lambda t: open(md.path_in(t), "w").write("[1, 2]"), "must hold a JSON object. Received: list"),
+        (_checksums_without_the_graph, "not a sha256sum list starting with saved_model.pb"),
+        (_checksum_of_a_deleted_file, r"assets/notes.txt not found \(it is listed in"),
     ],
     ids=["bad-json", "format-v2", "schema", "edited-checksum", "edited-and-resummed", "missing", "truncated", "bit-flip",
-         "no-data-file", "forged-checksum", "graph-bit-flip", "no-values-record", "no-sha256"],
+         "no-data-file", "forged-checksum", "graph-bit-flip", "no-values-record", "no-sha256",
+         "unknown-mode", "json-list", "graph-not-listed", "listed-file-deleted"],
 )
 def test_corrupted_exports_fail_clearly(mixed, tmp_path, edit, message):
     target = _corrupt_copy(mixed, tmp_path, edit)

@@ -181,3 +181,34 @@ def test_large_matrix_round_trip():
     assert values.shape == (300, 514) and meta.shape == (300, 129)
     np.testing.assert_array_equal(fmt.decompress(values, meta, 1028), w)
     assert np.count_nonzero(values) == np.count_nonzero(w)
+
+
+def test_check_meta_and_decompress_refuse_misshaped_inputs():
+    """A meta with a spare byte, a K that is not a multiple of 4, values transposed to [K/2, N]
+    (the same size): each is refused, not read past or reinterpreted."""
+    w = np.zeros((16, 2), np.float32)
+    w[[1, 3], 0] = [1.0, 2.0]
+    w[[8, 14], 1] = [3.0, 4.0]
+    values, meta = fmt.compress(w)
+    assert values.shape == (2, 8) and meta.shape == (2, 2)
+    spare = np.concatenate([meta, np.zeros((2, 1), np.uint8)], axis=1)  # [N, 3] for K=16
+    with pytest.raises(ValueError, match=r"\[N, 2\] for K=16. Received: dtype=uint8, shape=\(2, 3\)"):
+        fmt.check_meta(spare, 16)
+    with pytest.raises(ValueError, match=r"shape=\(2, 3\)"):
+        fmt.decompress(values, spare, 16)
+    with pytest.raises(ValueError, match="multiple of 4.*K=6"):
+        fmt.check_meta(meta[:, :1], 6)  # ceil(6/8) = 1 byte: the shape alone would pass
+    wide = np.zeros((8, 8), np.float32)  # K=8, N=8: values [8, 4]; transposed [4, 8] same size
+    wide[0, :] = np.arange(1, 9)
+    v8, m8 = fmt.compress(wide)
+    assert v8.shape == (8, 4)
+    np.testing.assert_array_equal(fmt.decompress(v8, m8, 8), wide)
+    with pytest.raises(ValueError, match=r"values must be \[N, K/2\] = \[8, 4\].*\(4, 8\)"):
+        fmt.decompress(np.ascontiguousarray(v8.T), m8, 8)
+
+
+def test_to_2d_of_an_empty_reduction_axis():
+    w = np.zeros((0, 3), np.float32)
+    assert fmt.to_2d(w, 0).shape == (0, 3)
+    assert fmt.to_2d(np.zeros((2, 0, 3), np.float32), 1).shape == (0, 3)
+    assert fmt.to_2d(np.zeros((4, 0), np.float32), 0).shape == (4, 0)

@@ -12,6 +12,7 @@ from tf_sparse24.masks import (
     compute_mask,
     is_nm_sparse,
     parse_pattern,
+    pattern_mismatch,
 )
 
 
@@ -197,3 +198,44 @@ def test_an_axis_that_is_not_an_integer_is_named(axis):
         with pytest.raises(TypeError, match=message):
             check(w, axis=axis)
     np.testing.assert_array_equal(compute_mask(w, axis=np.int64(1)), compute_mask(w, axis=1))
+
+
+def _kept_counts(mask: np.ndarray, axis: int, m: int) -> list[int]:
+    """Kept elements of every group of m along axis, counted one group at a time (reference)."""
+    moved = np.moveaxis(mask, axis, -1)
+    return [int(sum(row[i : i + m] != 0)) for row in moved.reshape(-1, moved.shape[-1])
+            for i in range(0, moved.shape[-1], m)]
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_pattern_mismatch_refuses_any_group_over_n_and_keeps_all_ones(axis):
+    """A loaded mask is refused when any one group keeps more than N (a single 3-of-4 group, or
+    a single all-ones group among 2:4 ones); an all-ones mask (not computed yet) is accepted."""
+    base = np.tile(np.array([1, 0, 1, 0], np.float32), 3)  # every group keeps 2
+    mask = np.stack([base] * 2, axis=1 - axis)  # groups along `axis`
+    def at(row, col):  # index of element `col` along the grouping axis, in the `row`-th line
+        return (col, row) if axis == 0 else (row, col)
+
+    assert pattern_mismatch(mask, axis, 2, 4) is None
+    three = mask.copy()
+    three[at(1, 5)] = 1  # group 1 of line 1 keeps 3
+    assert _kept_counts(three, axis, 4) == [2, 2, 2, 2, 3, 2]
+    assert pattern_mismatch(three, axis, 2, 4) == "keeps up to 3 of every 4"
+    full = mask.copy()
+    full[at(0, 9)] = full[at(0, 11)] = 1  # group 2 of line 0 keeps all 4
+    assert _kept_counts(full, axis, 4) == [2, 2, 4, 2, 2, 2]
+    assert pattern_mismatch(full, axis, 2, 4) == "keeps up to 4 of every 4"
+    assert pattern_mismatch(np.ones_like(mask), axis, 2, 4) is None
+    assert pattern_mismatch(np.ones_like(mask), axis, 1, 4) is None
+    one = mask.copy()
+    one[at(1, 2)] = 0  # uneven counts up to N (a custom method): left alone
+    assert pattern_mismatch(one, axis, 2, 4) is None
+    assert pattern_mismatch(mask, axis, 3, 4) == "keeps 2 of every 4 (a 2:4 mask)"
+
+
+@pytest.mark.parametrize("shape, axis", [((8, 0), 0), ((0, 8), 1), ((2, 4, 0), 1)])
+def test_an_empty_weight_gets_an_empty_mask(shape, axis):
+    w = np.zeros(shape, np.float32)
+    mask = compute_mask(w, "2:4", axis=axis).numpy()
+    assert mask.shape == shape and mask.dtype == np.float32
+    assert is_nm_sparse(w, "2:4", axis)
