@@ -78,3 +78,34 @@ def test_a_failed_write_leaves_nothing_not_even_the_parents_it_made(tmp_path):
     with pytest.raises(RuntimeError, match="write failed"):
         atomic_dir.write_atomically(str(tmp_path / "models" / "a" / "b" / "1"), fail)
     assert _tree(tmp_path) == ["models", "models/other"]
+
+
+def test_everything_written_is_flushed_to_disk_before_the_rename_and_the_rename_after(
+        tmp_path, monkeypatch):
+    """A rename is atomic, but a crash soon after it could leave the new directory with empty
+    files still in the page cache: every file and directory is fsynced before it, the parent after."""
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        events.append(("rename", str(src)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(atomic_dir.os, "fsync", fsync)
+    monkeypatch.setattr(atomic_dir.os, "rename", rename)
+
+    def write(tmp):
+        os.mkdir(os.path.join(tmp, "variables"))
+        for name in ("saved_model.pb", "variables/variables.index"):
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write("data")
+
+    atomic_dir.write_atomically(str(tmp_path / "m" / "1"), write)
+    (_, tmp), = [e for e in events if e[0] == "rename"]
+    before = {os.path.relpath(p, tmp) for kind, p in events[:events.index(("rename", tmp))]}
+    assert before == {".", "saved_model.pb", "variables", "variables/variables.index"}
+    assert events[-1] == ("fsync", str(tmp_path / "m"))  # the directory entry of the rename

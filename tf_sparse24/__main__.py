@@ -154,6 +154,7 @@ def _prune(args: argparse.Namespace) -> None:
     import keras  # noqa: PLC0415
 
     import tf_sparse24  # noqa: PLC0415
+    from tf_sparse24.atomic_dir import sync_tree  # noqa: PLC0415
 
     if not args.output.endswith(".keras"):
         raise ValueError(f"the output must be a .keras file. Received: {args.output!r}")
@@ -170,11 +171,13 @@ def _prune(args: argparse.Namespace) -> None:
         model, _ = tf_sparse24.permute(model, progress=False, print_fn=print)
     pruned = tf_sparse24.prune(model, args.pattern, layers=args.layers, skip=args.skip)
     tf_sparse24.report(pruned)
-    directory, name = os.path.split(os.path.abspath(args.output))
+    name = os.path.basename(os.path.abspath(args.output))
     partial = os.path.join(directory, f".{name}.{os.getpid()}.partial.keras")
     try:
         pruned.save(partial)
+        sync_tree(partial)  # on disk before the rename (see atomic_dir)
         os.replace(partial, args.output)
+        sync_tree(directory, recursive=False)
     finally:
         if os.path.exists(partial):
             os.remove(partial)

@@ -1,8 +1,8 @@
 """Writing a directory atomically: an export appears whole at its path, or not at all.
 
 `write_atomically` writes into a temporary directory next to the target (a dot-name that is not a
-number, so TensorFlow Serving ignores it meanwhile) and renames it into place; `check_replaceable`
-says which existing paths `overwrite=True` may replace.
+number, so TensorFlow Serving ignores it meanwhile), flushes it to disk and renames it into place;
+`check_replaceable` says which existing paths `overwrite=True` may replace.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def write_atomically(path: str, write: Callable[[str], T]) -> T:
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a server user must read it
         result = write(tmp)
+        sync_tree(tmp)  # on disk before the rename: after a crash, the export is whole or absent
         _move_into_place(tmp, path)
+        sync_tree(parent, recursive=False)  # the rename itself
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for directory in created:
@@ -44,6 +46,26 @@ def write_atomically(path: str, write: Callable[[str], T]) -> T:
                 break
         raise
     return result
+
+
+def sync_tree(path: str, recursive: bool = True) -> None:
+    """fsyncs `path` (a file or a directory) and, with `recursive`, every file and directory under
+    it, deepest first. A rename is atomic, but without this a crash soon after it can leave the
+    renamed directory with empty or short files (the data was still in the page cache)."""
+    if recursive and os.path.isdir(path) and not os.path.islink(path):
+        for root, directories, files in os.walk(path, topdown=False):
+            for name in files + directories:
+                if not os.path.islink(os.path.join(root, name)):
+                    _fsync(os.path.join(root, name))
+    _fsync(path)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a directory too (POSIX; how its entries reach the disk)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def check_replaceable(export_dir: str) -> None:
