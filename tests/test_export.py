@@ -1734,3 +1734,44 @@ def test_accelerated_runs_group_query_attention(tmp_path):
     serve = load(tmp_path / "1").signatures["serving_default"]
     got = serve(tokens=tf.constant(x))["scores"].numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _swap_positions(meta: np.ndarray) -> np.ndarray:
+    """Each group's two 2-bit positions swapped (descending: invalid sparse24/v1), in numpy."""
+    swap = lambda nib: ((nib & 3) << 2) | (nib >> 2)  # noqa: E731
+    return (swap(meta & 15) | (swap(meta >> 4) << 4)).astype(np.uint8)
+
+
+def test_verify_refuses_an_export_whose_stored_meta_is_not_ascending(tmp_path, monkeypatch):
+    """The export's checksums are consistent (the bad meta is what was written), so only verify's
+    meta check can see it. Kills: verify skipping `fmt.check_meta`."""
+    model = tiny_model()
+    export_module = sys.modules["tf_sparse24.export"]
+    stored = export_module._stored
+    monkeypatch.setattr(export_module, "_stored",
+                        lambda values, meta: stored(values, _swap_positions(meta)))
+    export(model, tmp_path / "1")
+    meta = load(tmp_path / "1").sparse_meta[0].numpy()
+    nibbles = np.stack([meta & 15, meta >> 4], -1).reshape(meta.shape[0], -1)[:, :2]
+    assert ((nibbles & 3) > (nibbles >> 2)).all()  # independent: every group is descending
+    with pytest.raises(ExportError, match=r"weight '\w*/?scores/kernel': invalid meta: row n=0, group "
+                                          r"g=0 .* strictly ascending"):
+        verify(tmp_path / "1")
+
+
+def test_verify_refuses_a_portable_export_that_uses_the_op_library(tmp_path, monkeypatch):
+    """A `portable` export must run on stock TensorFlow: one whose graph holds Sparse24Decompress
+    fails verify, naming the op. Kills: verify allowing the accelerated ops in any mode."""
+    from tf_sparse24 import ops  # noqa: PLC0415
+
+    model = tiny_model()
+    monkeypatch.setattr(portable, "decompress", ops.sparse24_decompress)
+    export(model, tmp_path / "1")  # mode="portable"
+    assert load(tmp_path / "1").sparse24_metadata["mode"] == "portable"
+    assert nonstock_ops(graph_ops(tmp_path / "1")) == {"Sparse24Decompress"}
+    with pytest.raises(ExportError, match=r"the portable export uses ops that stock TensorFlow "
+                                          r"does not register: \['Sparse24Decompress'\]"):
+        verify(tmp_path / "1")
+    monkeypatch.undo()
+    export(model, tmp_path / "2")
+    assert verify(tmp_path / "2")["nonstock_ops"] == []
