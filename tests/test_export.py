@@ -1775,3 +1775,37 @@ def test_verify_refuses_a_portable_export_that_uses_the_op_library(tmp_path, mon
     monkeypatch.undo()
     export(model, tmp_path / "2")
     assert verify(tmp_path / "2")["nonstock_ops"] == []
+
+
+class _OutputGroupedDense(keras.layers.Layer):
+    """Opts its Dense sublayer's kernel in grouped along axis 1 (the outputs), not the input."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, name="proj")
+
+    def build(self, shape):
+        self.dense.build(shape)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def get_prunable_weights(self):
+        return [(self.dense.kernel, 1)]
+
+
+def test_accelerated_a_dense_kernel_grouped_along_its_outputs_is_decompressed_at_load(tmp_path):
+    """Sparse24MatMul groups along K: a Dense kernel grouped along N must not be fed to it
+    (rebuilt at load instead). Kills: `_sparse_call` ignoring the grouping axis."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,), name="x")
+    model = keras.Model(inputs, _OutputGroupedDense(name="og")(inputs))
+    dense = model.get_layer("og").dense
+    dense.bias.assign(np.linspace(-1, 1, 8).astype("float32"))
+    w, b = dense.kernel.numpy().astype(np.float64), dense.bias.numpy().astype(np.float64)
+    metadata = export(tf_sparse24.prune(model), tmp_path / "1", mode="accelerated")
+    assert [(e["axis"], e["kernel"]) for e in metadata["sparse"]] == [(1, "dense_at_load")]
+    x = np.random.default_rng(1).standard_normal((3, 12))
+    served = load(tmp_path / "1").signatures["serving_default"](x=tf.constant(x, tf.float32))
+    want = x @ prune_24(w, 1) + b  # numpy, float64
+    np.testing.assert_allclose(served[list(served)[0]].numpy(), want, rtol=1e-5, atol=1e-5)
