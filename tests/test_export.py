@@ -1809,3 +1809,25 @@ def test_accelerated_a_dense_kernel_grouped_along_its_outputs_is_decompressed_at
     served = load(tmp_path / "1").signatures["serving_default"](x=tf.constant(x, tf.float32))
     want = x @ prune_24(w, 1) + b  # numpy, float64
     np.testing.assert_allclose(served[list(served)[0]].numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_repeated_output_name_does_not_take_the_key_of_another_output(tmp_path):
+    """Outputs named first, first, first_1: the repeat becomes first_2, and `first_1` serves the
+    layer named first_1 (numpy float64 reference). Kills: `unique_names` suffixing a repeat with a
+    name another output already has."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,), name="x")
+    first = keras.layers.Dense(4, name="first")
+    other = keras.layers.Dense(4, name="first_1")
+    model = keras.Model(inp, [first(inp), first(inp), other(inp)])
+    prune_plain_layers(model)
+    other.bias.assign(np.full(4, 3.0, np.float32))
+    outputs = export(model, tmp_path / "1")["signature"]["outputs"]
+    assert sorted(outputs) == ["first", "first_1", "first_2"]
+    x = np.random.default_rng(2).standard_normal((3, 8))
+    served = load(tmp_path / "1").signatures["serving_default"](x=tf.constant(x, tf.float32))
+    ref = {layer.name: x @ layer.kernel.numpy().astype(np.float64) + layer.bias.numpy()
+           for layer in (first, other)}
+    for key, want in [("first", ref["first"]), ("first_2", ref["first"]),
+                      ("first_1", ref["first_1"])]:
+        np.testing.assert_allclose(served[key].numpy(), want, rtol=1e-5, atol=1e-5, err_msg=key)
