@@ -1831,3 +1831,22 @@ def test_a_repeated_output_name_does_not_take_the_key_of_another_output(tmp_path
     for key, want in [("first", ref["first"]), ("first_2", ref["first"]),
                       ("first_1", ref["first_1"])]:
         np.testing.assert_allclose(served[key].numpy(), want, rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+def test_metadata_k_and_n_are_the_2d_view_of_each_stored_kernel(tmp_path):
+    """`k` / `n` in the metadata: K = prod(shape[:axis+1]), N = the rest, as the stored values
+    [N, K/2] and meta [N, ceil(K/8)] hold them (numpy). Kills: `n` counted from the grouping axis."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6, 6, 4), name="image"), keras.layers.Conv2D(8, 3, name="conv"),
+        keras.layers.Flatten(), keras.layers.Dense(4, name="head"),
+    ])  # fmt: skip
+    prune_plain_layers(model)
+    metadata = export(model, tmp_path / "1")
+    loaded = load(tmp_path / "1")
+    assert len(metadata["sparse"]) == 2
+    for entry, values, meta in zip(metadata["sparse"], loaded.sparse_values, loaded.sparse_meta):
+        shape, axis = entry["shape"], entry["axis"]
+        k, n = int(np.prod(shape[: axis + 1])), int(np.prod(shape[axis + 1 :]))
+        assert (entry["k"], entry["n"]) == (k, n), entry["name"]
+        assert values.shape == (n, k // 2) and meta.shape == (n, -(-k // 8)), entry["name"]
