@@ -232,6 +232,22 @@ def _sparse24_compress_grad(op: tf.Operation, dvalues: tf.Tensor, unused_dmeta: 
 # High-level API
 
 
+def _kn_view(shape: tf.TensorShape, axis: int, caller: str = "") -> tuple[int, int]:
+    """K and N of the `[K, N]` view of a kernel of `shape` grouped along `axis` (in range):
+    K = prod(shape[:axis+1]), N = prod(shape[axis+1:]).
+
+    Raises:
+        ValueError: `shape[axis]` is not a multiple of 4 (the view's groups would straddle the
+            axis); the message starts with `caller`.
+    """
+    if shape[axis] % 4:
+        raise ValueError(
+            f"{caller}: the grouping axis must have a size that is a multiple of 4. Received: "
+            f"kernel shape {shape}, axis={axis} (size {shape[axis]})"
+        )
+    return math.prod(shape[: axis + 1]), math.prod(shape[axis + 1 :])
+
+
 class CompressedWeight(tf.experimental.ExtensionType):
     """A kernel stored in the sparse24/v1 format.
 
@@ -256,18 +272,12 @@ class CompressedWeight(tf.experimental.ExtensionType):
             raise ValueError(f"CompressedWeight needs a fully known shape. Received: {self.shape}")
         if not 0 <= self.axis < self.shape.rank:
             raise ValueError(f"axis {self.axis} is out of range for kernel shape {self.shape}")
-        if self.shape[self.axis] % 4:  # else the [K, N] view's groups would straddle the axis
-            raise ValueError(
-                f"CompressedWeight: the grouping axis must have a size that is a multiple of 4. "
-                f"Received: kernel shape {self.shape}, axis={self.axis} "
-                f"(size {self.shape[self.axis]})"
-            )
+        k, n = _kn_view(self.shape, self.axis, "CompressedWeight")
         if self.values.dtype != self.dtype or self.meta.dtype != tf.uint8:
             raise ValueError(
                 f"CompressedWeight expects values of dtype {self.dtype.name} and uint8 meta. "
                 f"Received: values {self.values.dtype.name}, meta {self.meta.dtype.name}"
             )
-        k, n = self.k, self.n
         for name, want in (("values", [n, k // 2]), ("meta", [n, math.ceil(k / 8)])):
             got = getattr(self, name).shape
             if not got.is_compatible_with(want):
@@ -280,12 +290,12 @@ class CompressedWeight(tf.experimental.ExtensionType):
     @property
     def k(self) -> int:
         """Rows of the [K, N] view (the reduction size)."""
-        return math.prod(self.shape[: self.axis + 1])
+        return _kn_view(self.shape, self.axis)[0]
 
     @property
     def n(self) -> int:
         """Columns of the [K, N] view (the outputs)."""
-        return math.prod(self.shape[self.axis + 1 :])
+        return _kn_view(self.shape, self.axis)[1]
 
 
 def compress(w: tf.Tensor, axis: int = 0) -> CompressedWeight:
@@ -315,12 +325,7 @@ def compress(w: tf.Tensor, axis: int = 0) -> CompressedWeight:
     if not -shape.rank <= axis < shape.rank:
         raise ValueError(f"axis {axis} is out of range for kernel shape {shape}")
     axis = int(axis) % shape.rank
-    if shape[axis] % 4:
-        raise ValueError(
-            f"the grouping axis must have a size that is a multiple of 4. Received: kernel shape "
-            f"{shape}, axis={axis} (size {shape[axis]})"
-        )
-    k, n = math.prod(shape[: axis + 1]), math.prod(shape[axis + 1 :])
+    k, n = _kn_view(shape, axis, "compress")
     values, meta = sparse24_compress(tf.reshape(w, [k, n]))
     return CompressedWeight(values=values, meta=meta, shape=shape, dtype=w.dtype, axis=axis)
 
