@@ -163,7 +163,7 @@ def _prune(args: argparse.Namespace) -> None:
         raise IsADirectoryError(f"{args.output} is a directory; the output is a .keras file")
     if os.path.lexists(args.output) and not args.overwrite:
         raise FileExistsError(f"{args.output} exists; pass --overwrite to replace it")
-    directory = os.path.dirname(os.path.abspath(args.output))
+    directory, name = os.path.split(os.path.abspath(args.output))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"the directory {directory} of the output does not exist")
     model = keras.saving.load_model(args.model, compile=False)
@@ -171,7 +171,6 @@ def _prune(args: argparse.Namespace) -> None:
         model, _ = tf_sparse24.permute(model, progress=False, print_fn=print)
     pruned = tf_sparse24.prune(model, args.pattern, layers=args.layers, skip=args.skip)
     tf_sparse24.report(pruned)
-    name = os.path.basename(os.path.abspath(args.output))
     partial = os.path.join(directory, f".{name}.{os.getpid()}.partial.keras")
     try:
         pruned.save(partial)
